@@ -1,0 +1,153 @@
+"""The `streamgrok` command line: chat, info, bench."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+# Idle torch worker threads must not spin while another process or thread needs the cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help=".gguf file or Hugging Face folder (default: SmolLM2)")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Argument parser with one sub-command per job."""
+    parser = argparse.ArgumentParser(prog="streamgrok", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    chat = commands.add_parser("chat", help="stream an answer (interactive without a question)")
+    chat.add_argument("question", nargs="?", help="the question; omit for an interactive prompt")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--max-tokens", type=int, default=256)
+    _add_model_options(chat)
+
+    info = commands.add_parser("info", help="print model, parameters, dtype, device, threads")
+    _add_model_options(info)
+
+    bench = commands.add_parser("bench", help="run a benchmark")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    decode = benches.add_parser("decode", help="prefill and batched decode throughput")
+    decode.add_argument("--prompt-tokens", type=int, default=512)
+    decode.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    decode.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
+    decode.add_argument("--repeats", type=int, default=3, help="prefill repeats (median)")
+    _add_model_options(decode)
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from streamgrok.model.loader import load_model
+    from streamgrok.runtime import configure_threads, resolve_device, resolve_dtype
+
+    configure_threads(args.threads)
+    return load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from streamgrok.model.generate import Generator
+    from streamgrok.model.sampling import SamplingParams
+
+    generator = Generator(_load(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    questions = [args.question] if args.question else _interactive_questions()
+    for question in questions:
+        for delta in generator.stream(generator.chat_prompt(question, args.system), params):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+def _interactive_questions():
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            return
+        if line in ("exit", "quit"):
+            return
+        if line:
+            yield line
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    loaded = _load(args)
+    cfg, model = loaded.config, loaded.model
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    rows = [
+        ("model", str(loaded.source)),
+        ("architecture", cfg.architecture),
+        ("parameters", f"{params / 1e6:.1f} M"),
+        ("layers / hidden / ffn",
+         f"{cfg.num_layers} / {cfg.hidden_size} / {cfg.intermediate_size}"),
+        ("heads / kv heads / head dim", f"{cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim}"),
+        ("rope theta / scaling", f"{cfg.rope_theta:g} / {cfg.rope_scaling.kind}"),
+        ("context", str(cfg.max_positions)),
+        ("vocab", str(cfg.vocab_size)),
+        ("tied embeddings", str(cfg.tie_embeddings)),
+        ("dtype", str(model.dtype).removeprefix("torch.")),
+        ("weights in memory", f"{model.weight_bytes() / 2**20:.0f} MiB"),
+        ("device", str(model.device)),
+        ("threads", str(torch.get_num_threads())),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench == "decode":
+        from streamgrok.bench.decode import run_decode_bench
+
+        run_decode_bench(
+            _load(args),
+            prompt_tokens=args.prompt_tokens,
+            batch_sizes=[int(b) for b in args.batches.split(",")],
+            steps=args.steps,
+            repeats=args.repeats,
+        )
+        return 0
+    raise AssertionError(args.bench)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "chat": cmd_chat,
+    "info": cmd_info,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `streamgrok` console script."""
+    from streamgrok.errors import StreamgrokError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (StreamgrokError, ValueError) as exc:
+        print(f"streamgrok: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,1 @@
+"""Llama-family language model: config, PyTorch modules, loaders, tokenizer, generation."""

@@ -1,0 +1,104 @@
+"""Plain synchronous generation on the contiguous cache: streaming and batched.
+
+The async engine serves many sessions; this is what `streamgrok chat` and the decode
+benchmark use, and the reference the engine's outputs are compared with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.contiguous_cache import ContiguousKVCache
+from streamgrok.model.detokenizer import IncrementalDetokenizer
+from streamgrok.model.loader import LoadedModel
+from streamgrok.model.sampling import SamplingParams, new_generator, sample
+
+
+@dataclass
+class Generation:
+    """Token ids generated for one prompt and why generation ended."""
+
+    token_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+
+
+class Generator:
+    """Runs prompts through a LoadedModel on its own contiguous cache."""
+
+    def __init__(self, loaded: LoadedModel, max_batch: int = 1, capacity: int | None = None):
+        self.loaded = loaded
+        self.capacity = capacity or loaded.config.max_positions
+        self.cache = ContiguousKVCache(
+            loaded.config, max_batch, self.capacity, loaded.model.dtype, loaded.model.device
+        )
+
+    def chat_prompt(self, question: str, system: str | None = None) -> list[int]:
+        """Token ids of a one-turn chat prompt in the model's own template."""
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": question})
+        return self.loaded.tokenizer.encode(self.loaded.tokenizer.render_chat(messages))
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation]:
+        """Generate for several prompts at once (batched decode); returns ids per prompt."""
+        results = [Generation([], "length") for _ in prompts]
+        for step in self._steps(prompts, params):
+            for i, token in step:
+                results[i].token_ids.append(token)
+                if token in self._stops(params):
+                    results[i].finish_reason = "stop"
+        return results
+
+    @torch.inference_mode()
+    def stream(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[str]:
+        """Yield text deltas of one answer as tokens are produced."""
+        detok = IncrementalDetokenizer(self.loaded.tokenizer)
+        for step in self._steps([prompt], params):
+            for _, token in step:
+                if token not in self._stops(params):
+                    delta = detok.push(token)
+                    if delta:
+                        yield delta
+        tail = detok.flush()
+        if tail:
+            yield tail
+
+    def _stops(self, params: SamplingParams) -> frozenset[int]:
+        return self.loaded.tokenizer.stop_ids | params.stop_token_ids
+
+    def _steps(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Iterator[list[tuple[int, int]]]:
+        """Yield, per decode step, (prompt index, new token) for each still-running prompt."""
+        if len(prompts) > len(self.cache.lengths):
+            raise ValueError(f"{len(prompts)} prompts exceed max_batch {len(self.cache.lengths)}")
+        model, device = self.loaded.model, self.loaded.model.device
+        stops = self._stops(params)
+        for slot in range(len(prompts)):
+            self.cache.reset(slot)
+        generators = [None if params.greedy else new_generator(params) for _ in prompts]
+        ids = torch.tensor([t for p in prompts for t in p], device=device)
+        batch = BatchMetadata.build(range(len(prompts)), [len(p) for p in prompts], device)
+        logits = model(ids, batch, self.cache)
+        running = list(range(len(prompts)))
+        for step in range(params.max_tokens):
+            tokens = sample(logits, [params] * len(running), [generators[i] for i in running])
+            new = list(zip(running, tokens.tolist()))
+            yield new
+            if step == params.max_tokens - 1:
+                return
+            running = [
+                i for i, t in new
+                if t not in stops and self.cache.length(i) < self.capacity
+            ]
+            if not running:
+                return
+            alive = torch.tensor([t for i, t in new if i in running], device=device)
+            batch = BatchMetadata.build(running, [1] * len(running), device)
+            logits = model(alive, batch, self.cache)

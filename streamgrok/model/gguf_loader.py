@@ -1,0 +1,186 @@
+"""Load a Llama-family model and its tokenizer from a GGUF file with the `gguf` package."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from streamgrok.errors import ModelLoadError, UnsupportedArchitecture, UnsupportedQuantization
+from streamgrok.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+
+SUPPORTED_TYPES = frozenset(
+    {
+        GGMLQuantizationType.F32,
+        GGMLQuantizationType.F16,
+        GGMLQuantizationType.BF16,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn_q.weight": "attn.wq.weight",
+    "attn_q.bias": "attn.wq.bias",
+    "attn_k.weight": "attn.wk.weight",
+    "attn_k.bias": "attn.wk.bias",
+    "attn_v.weight": "attn.wv.weight",
+    "attn_v.bias": "attn.wv.bias",
+    "attn_output.weight": "attn.wo.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "ffn.w_gate.weight",
+    "ffn_up.weight": "ffn.w_up.weight",
+    "ffn_down.weight": "ffn.w_down.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+# Architectures whose GGUF converter permutes q/k rows for adjacent-pair rotary.
+_PERMUTED_ROTARY = frozenset({"llama", "mistral"})
+
+
+@dataclass
+class GGUFContents:
+    """What a GGUF file holds, in streamgrok's terms."""
+
+    config: ModelConfig
+    metadata: dict[str, Any]
+    reader: GGUFReader
+    path: Path
+
+
+def open_gguf(path: str | Path) -> GGUFContents:
+    """Read a GGUF header and build the model config; tensors are read later, lazily."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # the gguf package raises bare ValueError/IndexError
+        raise ModelLoadError(
+            f"{path} is not a readable GGUF file (truncated or corrupt): {exc}"
+        ) from exc
+    metadata = {name: _field_value(field) for name, field in reader.fields.items()}
+    return GGUFContents(_config_from_metadata(metadata, reader, path), metadata, reader, path)
+
+
+def _field_value(field: Any) -> Any:
+    try:
+        return field.contents()
+    except Exception:  # a field type contents() cannot decode; keep the raw parts
+        return None
+
+
+def _config_from_metadata(meta: dict[str, Any], reader: GGUFReader, path: Path) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ModelLoadError(
+            f"{path}: per-frequency rope factors (rope_freqs.weight) are not supported yet; "
+            "load the Hugging Face folder of this model instead"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    num_heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    scaling = RopeScaling()
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor")))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(key("attention.head_count_kv", num_heads)),
+        head_dim=int(key("attention.key_length", hidden // num_heads)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        max_positions=int(key("context_length", 8192)),
+    )
+
+
+def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (adjacent-pair rotary -> half-split rotary)."""
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    rest = weight.shape[1:]
+    return (
+        weight.reshape(num_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+    )
+
+
+def iter_state_dict(
+    contents: GGUFContents, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (parameter name, tensor) pairs, dequantized one tensor at a time."""
+    config = contents.config
+    for tensor in contents.reader.tensors:
+        name = _parameter_name(tensor.name)
+        if name is None:
+            continue
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        if qtype not in SUPPORTED_TYPES:
+            raise UnsupportedQuantization(
+                f"{contents.path}: tensor {tensor.name} uses quantization type {qtype.name}, "
+                f"which streamgrok cannot load (supported: "
+                f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+            )
+        try:
+            array = dequantize(tensor.data, qtype)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"{contents.path}: tensor {tensor.name} could not be read "
+                f"(truncated or corrupt file): {exc}"
+            ) from exc
+        if config.architecture in _PERMUTED_ROTARY:
+            if name.endswith(("attn.wq.weight", "attn.wq.bias")):
+                array = unpermute_rotary(array, config.num_heads)
+            elif name.endswith(("attn.wk.weight", "attn.wk.bias")):
+                array = unpermute_rotary(array, config.num_kv_heads)
+        array = np.ascontiguousarray(array, dtype=np.float32)
+        if not array.flags.writeable:  # a float tensor viewed straight from the file
+            array = array.copy()
+        yield name, torch.from_numpy(array).to(dtype)
+
+
+def _parameter_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None

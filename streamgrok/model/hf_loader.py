@@ -1,0 +1,128 @@
+"""Load a Llama-family model from a Hugging Face folder (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from streamgrok.errors import ModelLoadError, UnsupportedArchitecture
+from streamgrok.model.config import ModelConfig, RopeScaling
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn.wq.weight",
+    "self_attn.q_proj.bias": "attn.wq.bias",
+    "self_attn.k_proj.weight": "attn.wk.weight",
+    "self_attn.k_proj.bias": "attn.wk.bias",
+    "self_attn.v_proj.weight": "attn.wv.weight",
+    "self_attn.v_proj.bias": "attn.wv.bias",
+    "self_attn.o_proj.weight": "attn.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn.w_gate.weight",
+    "mlp.up_proj.weight": "ffn.w_up.weight",
+    "mlp.down_proj.weight": "ffn.w_down.weight",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON file, naming the file when it is missing or malformed."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"missing file: {path}") from exc
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def config_from_hf(folder: Path) -> ModelConfig:
+    """Build a ModelConfig from a Hugging Face config.json."""
+    raw = read_json(folder / "config.json")
+    archs = raw.get("architectures") or [raw.get("model_type", "?")]
+    arch = _ARCHITECTURES.get(archs[0])
+    if arch is None:
+        raise UnsupportedArchitecture(
+            f"{folder}: architecture {archs[0]!r} is not supported "
+            f"(supported: {', '.join(_ARCHITECTURES)})"
+        )
+    try:
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(raw.get("rope_scaling")),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
+            max_positions=int(raw.get("max_position_embeddings", 8192)),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{folder}/config.json lacks {exc.args[0]!r}") from exc
+
+
+def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
+    if not raw:
+        return RopeScaling()
+    kind = raw.get("rope_type") or raw.get("type") or "none"
+    if kind == "default":
+        return RopeScaling()
+    if kind not in ("linear", "llama3"):
+        raise ModelLoadError(f"rope scaling type {kind!r} is not supported")
+    return RopeScaling(
+        kind=kind,
+        factor=float(raw.get("factor", 1.0)),
+        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+        original_max_positions=int(raw.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def iter_hf_state_dict(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (parameter name, tensor) from every *.safetensors file in the folder."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} holds no *.safetensors weights")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    name = _parameter_name(key)
+                    if name is not None:
+                        yield name, handle.get_tensor(key).to(dtype)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"{file} could not be read (truncated or corrupt): {exc}") from exc
+
+
+def _parameter_name(key: str) -> str | None:
+    if key in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[key]
+    match = _LAYER_RE.fullmatch(key)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None

@@ -1,0 +1,149 @@
+"""A Llama-family decoder in plain PyTorch: one readable file, gpt-fast style.
+
+Attention delegates K/V storage, positions and the attention computation to an
+`AttentionBackend`, so the same modules run on the contiguous cache, the paged streaming
+cache, or Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from streamgrok.model.batch import AttentionBackend, BatchMetadata
+from streamgrok.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional q/k/v bias (Qwen2)."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.wq = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
+        self.wk = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.wv = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.wo = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, batch: BatchMetadata, backend: AttentionBackend
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.wq(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.wk(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.wv(x).view(tokens, self.num_kv_heads, self.head_dim)
+        out = backend.attend(self.layer, q, k, v, batch)
+        return self.wo(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w_up = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = FeedForward(config)
+
+    def forward(
+        self, x: torch.Tensor, batch: BatchMetadata, backend: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), batch, backend)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token embedding, decoder blocks, final norm and output head (tied or not)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.embed.weight
+
+    def tie_weights(self) -> None:
+        """Share the output head with the embedding (after `load_state_dict(assign=True)`)."""
+        if self.config.tie_embeddings:
+            self.output.weight = self.embed.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: BatchMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Logits [len(batch.logit_rows), vocab] (all rows when logit_rows is None).
+
+        input_ids is the packed [tokens] id tensor; rows listed in `batch.embed_rows` take
+        `batch.embed_values` instead of their token embedding.
+        """
+        backend.prepare(batch)
+        x = self.embed(input_ids)
+        if batch.embed_rows is not None and batch.embed_values is not None:
+            x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
+        for layer in self.layers:
+            x = layer(x, batch, backend)
+        if batch.logit_rows is not None:
+            x = x.index_select(0, batch.logit_rows)
+        return self.output(self.norm(x)).float()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def weight_bytes(self) -> int:
+        """Bytes of distinct parameters (a tied head counted once)."""
+        seen, total = set(), 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
+    def decode_read_bytes(self) -> int:
+        """Bytes of weights one decode step reads: all except the unused embedding rows."""
+        total = self.weight_bytes()
+        if not self.config.tie_embeddings:
+            total -= self.embed.weight.numel() * self.embed.weight.element_size()
+        return total

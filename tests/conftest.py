@@ -1,0 +1,30 @@
+"""Shared fixtures: the real SmolLM2 (loaded once) and tiny random models."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct GGUF, float32, loaded once per test run."""
+    from streamgrok.model.loader import load_model
+
+    return load_model(dtype=torch.float32)
+
+
+@pytest.fixture
+def tiny():
+    """A tiny random Llama (2 layers, GQA 4:2, head dim 16)."""
+    from helpers import random_model, tiny_config
+
+    return random_model(tiny_config())

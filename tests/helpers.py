@@ -1,0 +1,191 @@
+"""Builders for tiny random models and the model files the tests write themselves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from streamgrok.model.config import ModelConfig
+from streamgrok.model.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+from streamgrok.model.hf_loader import _GLOBAL_NAMES as HF_GLOBAL
+from streamgrok.model.hf_loader import _LAYER_NAMES as HF_LAYER
+from streamgrok.model.llama import Transformer
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>"]
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """A small Llama shape whose matrices fit GGUF's 32-element quantization blocks."""
+    base = dict(
+        architecture="llama",
+        vocab_size=len(byte_vocab()),
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_embeddings=False,
+        max_positions=512,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> Transformer:
+    """A Transformer with random weights (norm weights perturbed so they matter)."""
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.08)
+    return model.eval().requires_grad_(False)
+
+
+def byte_vocab() -> list[str]:
+    """Byte-level alphabet, a few merges' results, then the special tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    return alphabet + ["th", "the", "Ġthe", "in"] + SPECIALS
+
+
+def byte_merges() -> list[str]:
+    return ["t h", "th e", "Ġ the", "i n"]
+
+
+def permute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k permutation (what convert_hf_to_gguf.py writes)."""
+    rows = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(heads, 2, rows // heads // 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def write_gguf(
+    path: Path,
+    model: Transformer,
+    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    architecture: str = "llama",
+    extra_tensor: tuple[str, np.ndarray, gguf.GGMLQuantizationType] | None = None,
+) -> Path:
+    """Write `model` as a GGUF file; 2-D weights in `qtype`, norms in F32."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_positions)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    tokens = byte_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges(byte_merges())
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+    inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
+    inverse_layer = {v: k for k, v in _LAYER_NAMES.items()}
+    for name, tensor in model.state_dict().items():
+        if name == "output.weight" and cfg.tie_embeddings:
+            continue
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            gguf_name = f"blk.{index}.{inverse_layer[rest]}"
+        else:
+            gguf_name = inverse[name]
+        array = tensor.float().numpy()
+        if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+            array = permute_rotary(array, cfg.num_heads)
+        elif gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            array = permute_rotary(array, cfg.num_kv_heads)
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    if extra_tensor is not None:
+        name, data, raw_type = extra_tensor
+        writer.add_tensor(name, data, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def byte_tokenizer() -> HFTokenizer:
+    """The same tiny byte-level BPE as byte_vocab(), as a tokenizers object."""
+    tokens = byte_vocab()
+    tok = HFTokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)},
+            merges=[tuple(m.split(" ")) for m in byte_merges()],
+        )
+    )
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    return tok
+
+
+def write_hf_folder(folder: Path, model: Transformer) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json."""
+    cfg = model.config
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": [
+                    {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.architecture]
+                ],
+                "vocab_size": cfg.vocab_size,
+                "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size,
+                "num_hidden_layers": cfg.num_layers,
+                "num_attention_heads": cfg.num_heads,
+                "num_key_value_heads": cfg.num_kv_heads,
+                "rope_theta": cfg.rope_theta,
+                "rms_norm_eps": cfg.rms_norm_eps,
+                "tie_word_embeddings": cfg.tie_embeddings,
+                "max_position_embeddings": cfg.max_positions,
+                "attention_bias": cfg.attention_bias,
+            }
+        )
+    )
+    inverse = {v: k for k, v in HF_GLOBAL.items()}
+    inverse_layer = {v: k for k, v in HF_LAYER.items()}
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == "output.weight" and cfg.tie_embeddings:
+            continue
+        if name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            tensors[f"model.layers.{index}.{inverse_layer[rest]}"] = tensor.contiguous()
+        else:
+            tensors[inverse[name]] = tensor.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    byte_tokenizer().save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>",
+                    "chat_template": CHAT_TEMPLATE})
+    )
+    return folder

@@ -1,0 +1,123 @@
+"""The PyTorch model on the contiguous cache against naive references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import random_model, tiny_config
+
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.contiguous_cache import ContiguousKVCache
+from streamgrok.model.rotary import Rotary
+
+
+def full_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits at every position from one forward pass over the whole sequence."""
+    cache = ContiguousKVCache(model.config, 1, len(ids))
+    batch = BatchMetadata.build([0], [len(ids)])
+    batch.logit_rows = None
+    return model(torch.tensor(ids), batch, cache)
+
+
+def test_incremental_decoding_matches_full_forward(tiny):
+    ids = torch.randint(0, tiny.config.vocab_size, (40,)).tolist()
+    reference = full_logits(tiny, ids)
+    cache = ContiguousKVCache(tiny.config, 1, 64)
+    # a 13-token chunk, then a 7-token chunk, then token by token
+    chunks = [ids[:13], ids[13:20]] + [[t] for t in ids[20:]]
+    got, done = [], 0
+    for chunk in chunks:
+        batch = BatchMetadata.build([0], [len(chunk)])
+        batch.logit_rows = None
+        got.append(tiny(torch.tensor(chunk), batch, cache))
+        done += len(chunk)
+    torch.testing.assert_close(torch.cat(got), reference, atol=1e-5, rtol=1e-5)
+
+
+def naive_attention(q, k, v, positions_q, positions_k):
+    """Dense causal GQA attention written out by hand (no SDPA)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    causal = positions_k[None, :] <= positions_q[:, None]
+    scores = scores.masked_fill(~causal[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_gqa_attention_equals_naive_reference(heads, kv_heads):
+    config = tiny_config(num_heads=heads, num_kv_heads=kv_heads, hidden_size=heads * 16)
+    cache = ContiguousKVCache(config, 1, 64)
+    rotary = Rotary(config)
+    torch.manual_seed(1)
+    q1, k1, v1 = (torch.randn(10, h, 16) for h in (heads, kv_heads, kv_heads))
+    q2, k2, v2 = (torch.randn(5, h, 16) for h in (heads, kv_heads, kv_heads))
+    for q, k, v in ((q1, k1, v1), (q2, k2, v2)):
+        batch = BatchMetadata.build([0], [q.shape[0]])
+        cache.prepare(batch)
+        out = cache.attend(0, q, k, v, batch)
+    pos = torch.arange(15)
+    qr = rotary.rotate(torch.cat([q1, q2]), pos)
+    kr = rotary.rotate(torch.cat([k1, k2]), pos)
+    expected = naive_attention(qr, kr, torch.cat([v1, v2]), pos, pos)[10:]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_batch_of_four_equals_four_singles(tiny):
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, tiny.config.vocab_size, (n,)).tolist() for n in (5, 17, 9, 12)]
+    batched = ContiguousKVCache(tiny.config, 4, 64)
+    singles = [ContiguousKVCache(tiny.config, 1, 64) for _ in prompts]
+    feeds = prompts
+    for _ in range(6):
+        batch = BatchMetadata.build(range(4), [len(f) for f in feeds])
+        logits = tiny(torch.tensor(sum(feeds, [])), batch, batched)
+        expected = torch.cat([
+            tiny(torch.tensor(f), BatchMetadata.build([0], [len(f)]), cache)
+            for f, cache in zip(feeds, singles)
+        ])
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+        feeds = [[t] for t in logits.argmax(-1).tolist()]
+
+
+def test_embedding_rows_replace_token_embeddings(tiny):
+    ids = torch.tensor([3, 50, 7, 9])
+    reference = tiny(ids, BatchMetadata.build([0], [4]), ContiguousKVCache(tiny.config, 1, 8))
+    batch = BatchMetadata.build([0], [4])
+    batch.embed_rows = torch.tensor([1, 2])
+    batch.embed_values = tiny.embed.weight[torch.tensor([50, 7])].clone()
+    got = tiny(torch.tensor([3, 0, 0, 9]), batch, ContiguousKVCache(tiny.config, 1, 8))
+    torch.testing.assert_close(got, reference)
+
+
+def test_qwen2_style_bias_and_tied_head_run():
+    config = tiny_config(architecture="qwen2", attention_bias=True, tie_embeddings=True)
+    model = random_model(config)
+    assert model.output.weight is model.embed.weight
+    assert model.layers[0].attn.wq.bias is not None
+    logits = model(torch.tensor([1, 2, 3]), BatchMetadata.build([0], [3]),
+                   ContiguousKVCache(config, 1, 8))
+    assert logits.shape == (1, config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_bfloat16_model_tracks_float32(tiny):
+    ids = torch.randint(0, tiny.config.vocab_size, (20,)).tolist()
+    reference = full_logits(tiny, ids)
+    bf16 = random_model(tiny.config).to(torch.bfloat16)
+    cache = ContiguousKVCache(tiny.config, 1, 32, dtype=torch.bfloat16)
+    batch = BatchMetadata.build([0], [20])
+    batch.logit_rows = None
+    got = bf16(torch.tensor(ids), batch, cache)
+    cos = torch.nn.functional.cosine_similarity(got, reference, dim=-1)
+    assert cos.min() > 0.99
+
+
+def test_cache_full_raises_clear_error(tiny):
+    from streamgrok.errors import CacheFullError
+
+    cache = ContiguousKVCache(tiny.config, 1, 4)
+    with pytest.raises(CacheFullError, match="needs 5 tokens"):
+        tiny(torch.arange(5), BatchMetadata.build([0], [5]), cache)
