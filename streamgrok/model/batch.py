@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from streamgrok.stream_tokens import TokenInfo
+
 
 @dataclass
 class BatchMetadata:
@@ -28,6 +30,7 @@ class BatchMetadata:
     embed_rows: torch.Tensor | None = None
     embed_values: torch.Tensor | None = None
     logit_rows: torch.Tensor | None = None
+    token_info: TokenInfo | None = None
 
     @classmethod
     def build(

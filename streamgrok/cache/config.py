@@ -1,0 +1,109 @@
+"""Cache configuration: page size, KV dtype, memory budget, eviction policy and budgets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from streamgrok.model.config import ModelConfig
+
+KV_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,
+}
+POLICIES = ("full", "sink_window", "h2o", "snapkv", "redundancy", "pyramid")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the paged streaming cache is sized and how it evicts.
+
+    `budget_tokens` is the per-sequence, per-layer token budget (average over layers when
+    `layer_budgets` is "pyramid"); None means unbounded (only with policy "full").
+    `memory_gib` sizes the page pool on CPU; on CUDA the default is 80% of free memory.
+    """
+
+    page_size: int = 16
+    kv_dtype: str = "float32"
+    memory_gib: float | None = 1.0
+    gpu_memory_fraction: float = 0.8
+    policy: str = "sink_window"
+    budget_tokens: int | None = 2048
+    layer_budgets: str = "uniform"  # "uniform" or "pyramid"
+    pyramid_full_layers: int = 8
+    pyramid_min_ratio: float = 0.2
+    sink_tokens: int = 4
+    window_tokens: int | None = None  # default: a quarter of the layer budget
+    evict_slack_tokens: int | None = None  # evict once a layer exceeds budget + slack
+    frame_aware: bool = False
+    h2o_decay: float = 0.999
+    snapkv_window: int = 32
+    snapkv_pool: int = 5
+    redundancy_refs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {self.policy!r} (choose from {POLICIES})")
+        if self.layer_budgets not in ("uniform", "pyramid"):
+            raise ValueError(f"layer_budgets must be 'uniform' or 'pyramid', not {self.layer_budgets!r}")
+        if self.policy != "full" and not self.budget_tokens:
+            raise ValueError(f"policy {self.policy!r} needs budget_tokens")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def evicts(self) -> bool:
+        return self.policy != "full"
+
+    @property
+    def slack(self) -> int:
+        return self.page_size if self.evict_slack_tokens is None else self.evict_slack_tokens
+
+    def page_bytes(self, model: ModelConfig) -> int:
+        """Bytes of K+V (and int8 scales) one page holds for one layer."""
+        elems = self.page_size * model.num_kv_heads * model.head_dim
+        if self.kv_dtype == "int8":
+            return 2 * (elems + self.page_size * model.num_kv_heads * 2)  # + float16 scales
+        return 2 * elems * torch.empty(0, dtype=self.torch_kv_dtype).element_size()
+
+    def layer_budget_list(self, num_layers: int) -> list[int | None]:
+        """Token budget of each layer for one sequence."""
+        if self.budget_tokens is None or self.policy == "full":
+            return [None] * num_layers
+        if self.layer_budgets == "uniform" and self.policy != "pyramid":
+            return [self.budget_tokens] * num_layers
+        return pyramid_budgets(
+            self.budget_tokens, num_layers, self.pyramid_full_layers, self.pyramid_min_ratio,
+            floor=self.sink_tokens + self.page_size,
+        )
+
+
+def pyramid_budgets(
+    mean_budget: int, num_layers: int, full_layers: int, min_ratio: float, floor: int
+) -> list[int]:
+    """PyramidKV schedule: the lowest `full_layers` layers at ratio 1.0, then decreasing
+    linearly to `min_ratio` at the top; scaled so the mean stays `mean_budget` tokens."""
+    full = min(full_layers, num_layers)
+    rest = num_layers - full
+    ratios = [1.0] * full + [
+        1.0 - (1.0 - min_ratio) * (i + 1) / rest for i in range(rest)
+    ]
+    scale = mean_budget * num_layers / sum(ratios)
+    budgets = [max(floor, int(r * scale)) for r in ratios]
+    # hand rounding leftovers to the lowest layers so the total is exact
+    leftover = mean_budget * num_layers - sum(budgets)
+    i = 0
+    while leftover > 0:
+        budgets[i % num_layers] += 1
+        leftover -= 1
+        i += 1
+    return budgets

@@ -1,0 +1,326 @@
+"""The paged streaming KV cache: an AttentionBackend with eviction and prefix sharing."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from streamgrok.cache.attention import chunk_attention, decode_attention
+from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.policies import LayerView, make_scorer, select_keep
+from streamgrok.cache.pool import PagePool
+from streamgrok.cache.prefix import PrefixIndex
+from streamgrok.cache.tokens import META_COLUMNS, STREAM, LayerTokens
+from streamgrok.errors import CacheFullError
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.config import ModelConfig
+from streamgrok.model.rotary import Rotary, apply_rotary
+from streamgrok.stream_tokens import Modality, TokenInfo
+
+
+@dataclass
+class SequenceState:
+    """One sequence's per-layer token records and stream counters."""
+
+    seq_id: int
+    layers: list[LayerTokens]
+    stream_pos: int = 0  # tokens ever appended (the next stream index)
+    next_group: int = 0
+    last_frame_source: int | None = None
+
+
+@dataclass
+class CacheStats:
+    """Counters of what the cache has done."""
+
+    appended_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    eviction_passes: int = 0
+    evicted_tokens: int = 0
+    eviction_seconds: float = 0.0
+    evicted_by_layer: list[int] = field(default_factory=list)
+
+
+class PagedKVCache:
+    """Paged K/V for many sequences, each layer with its own page table and budget."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: CacheConfig | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        num_pages: int | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.config = config or CacheConfig()
+        self.device = torch.device(device)
+        page_bytes = self.config.page_bytes(model_config)
+        if num_pages is None:
+            num_pages = int(self.memory_budget_bytes() // page_bytes)
+        self.pool = PagePool(
+            num_pages,
+            self.config.page_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            self.config.torch_kv_dtype,
+            compute_dtype,
+            self.device,
+        )
+        self.page_bytes = page_bytes
+        self.budgets = self.config.layer_budget_list(model_config.num_layers)
+        self.scorer = make_scorer(self.config)
+        self.prefix = PrefixIndex(self.config.page_size)
+        self.rotary = Rotary(model_config, self.device)
+        self.sequences: dict[int, SequenceState] = {}
+        self.stats = CacheStats(evicted_by_layer=[0] * model_config.num_layers)
+        self._starts: dict[int, list[int]] = {}
+
+    def memory_budget_bytes(self) -> float:
+        """Bytes the page pool may use: a fixed size, or a share of free GPU memory."""
+        if self.device.type == "cuda" and self.config.memory_gib is None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return free * self.config.gpu_memory_fraction
+        if self.config.memory_gib is None:
+            raise ValueError("memory_gib must be set for a CPU cache")
+        return self.config.memory_gib * 2**30
+
+    # -- sequences -------------------------------------------------------------------------
+
+    def add_sequence(
+        self,
+        seq_id: int,
+        prefix_tokens: Sequence[int] | None = None,
+        prefix_info: TokenInfo | None = None,
+    ) -> int:
+        """Register a sequence. When `prefix_tokens` (the text it will start with) begin with
+        full pages another sequence published, those pages are shared; returns how many leading
+        tokens are therefore already cached and must not be prefilled again."""
+        if seq_id in self.sequences:
+            raise ValueError(f"sequence {seq_id} already exists")
+        seq = SequenceState(seq_id, [LayerTokens(self.config.page_size) for _ in self.budgets])
+        self.sequences[seq_id] = seq
+        if not prefix_tokens:
+            return 0
+        entries = self.prefix.lookup(prefix_tokens, self.pool.generation)
+        if not entries:
+            return 0
+        for layer, tokens in enumerate(seq.layers):
+            pages = [entry.pages[layer] for entry in entries]
+            for page in pages:
+                self.pool.share(page)
+            tokens.add_pages(pages)
+        reused = len(entries) * self.config.page_size
+        info = prefix_info or TokenInfo.text(len(prefix_tokens), protected=True)
+        self._append_records(seq, info.slice(0, reused))
+        self.stats.prefix_hit_tokens += reused
+        return reused
+
+    def publish_prefix(self, seq_id: int, tokens: Sequence[int]) -> int:
+        """Offer the sequence's leading full pages of `tokens` for sharing; returns pages
+        published (none once eviction has touched the prefix)."""
+        seq = self.sequences[seq_id]
+        full = len(tokens) // self.config.page_size * self.config.page_size
+        expected = torch.arange(full, dtype=torch.float64)
+        for layer in seq.layers:
+            if layer.length < full or not torch.equal(layer.column(STREAM)[:full], expected):
+                return 0
+        pages = [layer.pages[: full // self.config.page_size] for layer in seq.layers]
+        return self.prefix.publish(list(tokens[:full]), pages, self.pool.generation)
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Free every page of a sequence."""
+        seq = self.sequences.pop(seq_id)
+        for layer in seq.layers:
+            self.pool.release(layer.pages)
+            layer.set_pages([])
+
+    def layer_lengths(self, seq_id: int) -> list[int]:
+        """Cached tokens per layer."""
+        return [layer.length for layer in self.sequences[seq_id].layers]
+
+    def can_append(self, seq_id: int, count: int) -> bool:
+        """Whether `count` more tokens fit in the pool right now."""
+        return self._pages_needed({seq_id: count}) <= self.pool.free_pages
+
+    # -- AttentionBackend ------------------------------------------------------------------
+
+    def prepare(self, batch: BatchMetadata) -> None:
+        """Allocate pages and record metadata for the batch's new tokens (all or nothing)."""
+        spans = batch.spans()
+        if len({s for s, _, _ in spans}) != len(spans):
+            raise ValueError("a batch may hold each sequence once")
+        for seq_id, _, _ in spans:
+            if seq_id not in self.sequences:
+                raise KeyError(f"unknown sequence {seq_id}; call add_sequence first")
+        needed = self._pages_needed({s: n for s, _, n in spans})
+        if needed > self.pool.free_pages:
+            raise CacheFullError(
+                f"KV cache out of pages: this step needs {needed}, {self.pool.free_pages} free "
+                f"of {self.pool.num_pages}"
+            )
+        info = batch.token_info or TokenInfo.text(batch.num_tokens)
+        self._starts = {}
+        for seq_id, row, n in spans:
+            seq = self.sequences[seq_id]
+            self._starts[seq_id] = [layer.length for layer in seq.layers]
+            for layer in seq.layers:
+                extra = math.ceil((layer.length + n) / self.config.page_size) - len(layer.pages)
+                if extra > 0:
+                    layer.add_pages(self.pool.allocate(extra))
+            self._append_records(seq, info.slice(row, row + n))
+        self.stats.appended_tokens += batch.num_tokens
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: BatchMetadata,
+    ) -> torch.Tensor:
+        """Store the new K/V of `layer`, then attend over each sequence's cached tokens."""
+        spans = batch.spans()
+        records = [self.sequences[s].layers[layer] for s, _, _ in spans]
+        starts = [self._starts[s][layer] for s, _, _ in spans]
+        new_slots = torch.cat(
+            [rec.slots(st, st + n) for rec, st, (_, _, n) in zip(records, starts, spans)]
+        ).to(self.device)
+        self.pool.write(new_slots, k, v)
+        out = torch.empty_like(q)
+        decode = [i for i, (_, _, n) in enumerate(spans) if n == 1]
+        if decode:
+            self._attend_decode(q, out, [spans[i] for i in decode],
+                                [records[i] for i in decode], [starts[i] for i in decode])
+        for (_, row, n), rec, start in zip(spans, records, starts):
+            if n > 1:
+                self._attend_chunk(q, out, row, n, rec, start)
+        return out
+
+    def _attend_decode(self, q, out, spans, records, starts) -> None:
+        lengths = torch.tensor([s + 1 for s in starts], device=self.device)
+        longest = int(lengths.max())
+        slot_rows = []
+        for rec, length in zip(records, lengths.tolist()):
+            slots = rec.slots(0, length)
+            slot_rows.append(torch.cat([slots, slots[:1].expand(longest - length)]))
+        k, v = self.pool.read(torch.stack(slot_rows).to(self.device))  # [b, n, kvh, d]
+        cos, sin = self.rotary.cos_sin(torch.arange(longest, device=self.device))
+        k = apply_rotary(k, cos, sin)
+        rows = torch.tensor([row for _, row, _ in spans], device=self.device)
+        q_rot = self.rotary.rotate(q[rows], lengths - 1)
+        want_mass = self.scorer.accumulates_attention
+        result, mass = decode_attention(q_rot, k, v, lengths, want_mass)
+        out[rows] = result.to(out.dtype)
+        if mass is not None:
+            for i, (rec, length) in enumerate(zip(records, lengths.tolist())):
+                self._accumulate(rec, mass[i, :length].cpu(), 1)
+
+    def _attend_chunk(self, q, out, row, n, rec: LayerTokens, start: int) -> None:
+        total = start + n
+        k, v = self.pool.read(rec.slots(0, total).to(self.device))
+        k = self.rotary.rotate(k, torch.arange(total, device=self.device))
+        q_rot = self.rotary.rotate(q[row : row + n], torch.arange(start, total, device=self.device))
+        mass_rows = None
+        if self.scorer.accumulates_attention:
+            mass_rows = min(n, self.scorer.observation_window or n)
+        result, mass = chunk_attention(q_rot, k, v, start, mass_rows)
+        out[row : row + n] = result.to(out.dtype)
+        if mass is not None:
+            self._accumulate(rec, mass.cpu(), mass_rows)
+
+    def _accumulate(self, rec: LayerTokens, mass: torch.Tensor, queries: int) -> None:
+        n = mass.shape[0]
+        rec.score[:n] = rec.score[:n] * (self.config.h2o_decay**queries) + mass
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def evict(self, seq_ids: Sequence[int] | None = None, force: bool = False) -> int:
+        """Bring every layer over budget + slack back to its budget; returns tokens evicted.
+
+        Run between engine steps. With `force`, layers are cut to budget even within slack.
+        """
+        if not self.config.evicts:
+            return 0
+        evicted = 0
+        started = time.perf_counter()
+        for seq_id in seq_ids if seq_ids is not None else list(self.sequences):
+            seq = self.sequences[seq_id]
+            for index, (rec, budget) in enumerate(zip(seq.layers, self.budgets)):
+                limit = budget if force else budget + self.config.slack
+                if rec.length <= limit:
+                    continue
+                view = LayerView(rec, lambda rec=rec: self.pool.read(rec.slots().to(self.device)))
+                keep = select_keep(view, budget, self.scorer, self.config)
+                removed = rec.length - keep.numel()
+                self._compact(rec, keep)
+                self.stats.evicted_by_layer[index] += removed
+                evicted += removed
+        if evicted:
+            self.stats.eviction_passes += 1
+            self.stats.evicted_tokens += evicted
+            self.stats.eviction_seconds += time.perf_counter() - started
+        return evicted
+
+    def _compact(self, rec: LayerTokens, keep: torch.Tensor) -> None:
+        """Move kept tokens to the front of the layer's pages; free or copy-on-write pages."""
+        page_size = self.config.page_size
+        kept = keep.numel()
+        moved = torch.nonzero(keep != torch.arange(kept)).flatten()
+        first = int(moved[0]) if moved.numel() else kept
+        data = self.pool.gather_raw(rec.slot_table()[keep[first:]].to(self.device))
+        new_count = math.ceil(kept / page_size)
+        pages = list(rec.pages)
+        self.pool.release(pages[new_count:])
+        rewritten = []
+        for i in range(first // page_size, new_count):
+            if self.pool.refcount[pages[i]] > 1:  # shared: copy on write
+                fresh = self.pool.allocate(1)[0]
+                self.pool.copy_page(pages[i], fresh)
+                self.pool.release([pages[i]])
+                pages[i] = fresh
+            else:
+                rewritten.append(pages[i])
+        self.pool.touch(rewritten)
+        rec.set_pages(pages[:new_count])
+        self.pool.scatter_raw(rec.slot_table()[first:kept].to(self.device), data)
+        rec.keep_only(keep)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _pages_needed(self, counts: dict[int, int]) -> int:
+        page_size = self.config.page_size
+        needed = 0
+        for seq_id, n in counts.items():
+            for layer in self.sequences[seq_id].layers:
+                needed += max(0, math.ceil((layer.length + n) / page_size) - len(layer.pages))
+        return needed
+
+    def _append_records(self, seq: SequenceState, info: TokenInfo) -> None:
+        n = len(info)
+        is_frame = info.modality == int(Modality.FRAME)
+        prev_frame = torch.cat([
+            torch.tensor([seq.last_frame_source is not None]), is_frame[:-1]
+        ])
+        prev_source = torch.cat([
+            torch.tensor([-1 if seq.last_frame_source is None else seq.last_frame_source]),
+            info.source[:-1],
+        ])
+        continues = is_frame & prev_frame & (info.source == prev_source)
+        group = seq.next_group + torch.cumsum((~continues).long(), 0) - 1
+        rows = torch.empty(n, META_COLUMNS, dtype=torch.float64)
+        rows[:, 0] = torch.arange(seq.stream_pos, seq.stream_pos + n, dtype=torch.float64)
+        rows[:, 1] = group.double()
+        rows[:, 2] = info.modality.double()
+        rows[:, 3] = info.timestamp.double()
+        rows[:, 4] = info.source.double()
+        rows[:, 5] = info.protected.double()
+        for layer in seq.layers:
+            layer.append_meta(rows)
+        seq.stream_pos += n
+        seq.next_group = int(group[-1]) + 1 if n else seq.next_group
+        seq.last_frame_source = int(info.source[-1]) if n and bool(is_frame[-1]) else None

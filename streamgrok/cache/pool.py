@@ -1,0 +1,128 @@
+"""A pool of fixed-size KV pages with a free list and reference counts."""
+
+from __future__ import annotations
+
+import torch
+
+from streamgrok.cache.quant import dequantize_int8, quantize_int8
+from streamgrok.errors import CacheFullError
+
+
+class PagePool:
+    """`num_pages` pages of `page_size` token slots, each slot [kv_heads, head_dim] for K and V.
+
+    Slot index = page * page_size + offset. A page belongs to one (sequence, layer) unless
+    shared through the prefix index, which the reference count tracks.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_pages < 1:
+            raise ValueError("the KV memory budget holds no page; raise it")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype
+        shape = (num_pages * page_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.quantized = dtype == torch.int8
+        if self.quantized:
+            self.k_scale = torch.zeros(shape[:2], dtype=torch.float16, device=device)
+            self.v_scale = torch.zeros(shape[:2], dtype=torch.float16, device=device)
+        self.refcount = [0] * num_pages
+        self.generation = [0] * num_pages  # bumped whenever a page's content is replaced
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` pages off the free list, or raise CacheFullError taking none."""
+        if count > len(self._free):
+            raise CacheFullError(
+                f"KV cache out of pages: {count} needed, {len(self._free)} free of "
+                f"{self.num_pages}"
+            )
+        pages = [self._free.pop() for _ in range(count)]
+        for page in pages:
+            self.refcount[page] = 1
+            self.generation[page] += 1
+        return pages
+
+    def touch(self, pages: list[int]) -> None:
+        """Mark pages as rewritten in place (stale for the prefix index)."""
+        for page in pages:
+            self.generation[page] += 1
+
+    def share(self, page: int) -> None:
+        """Add a reference to a page (prefix sharing)."""
+        if self.refcount[page] <= 0:
+            raise ValueError(f"page {page} is not allocated")
+        self.refcount[page] += 1
+
+    def release(self, pages: list[int]) -> None:
+        """Drop one reference to each page; pages reaching zero return to the free list."""
+        for page in pages:
+            if self.refcount[page] <= 0:
+                raise ValueError(f"page {page} released twice")
+            self.refcount[page] -= 1
+            if self.refcount[page] == 0:
+                self._free.append(page)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [tokens, kv_heads, head_dim] at slots [tokens]; slot -1 is padding."""
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, k, v = slots[keep], k[keep], v[keep]
+        if self.quantized:
+            kq, ks = quantize_int8(k)
+            vq, vs = quantize_int8(v)
+            self.k[slots], self.k_scale[slots] = kq, ks.to(torch.float16)
+            self.v[slots], self.v_scale[slots] = vq, vs.to(torch.float16)
+        else:
+            self.k[slots] = k.to(self.dtype)
+            self.v[slots] = v.to(self.dtype)
+
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at slots (any shape), dequantized to the compute dtype."""
+        if self.quantized:
+            return (
+                dequantize_int8(self.k[slots], self.k_scale[slots], self.compute_dtype),
+                dequantize_int8(self.v[slots], self.v_scale[slots], self.compute_dtype),
+            )
+        return self.k[slots].to(self.compute_dtype), self.v[slots].to(self.compute_dtype)
+
+    def gather_raw(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Stored entries at slots, as stored (for moving them without requantizing)."""
+        parts = [self.k[slots], self.v[slots]]
+        if self.quantized:
+            parts += [self.k_scale[slots], self.v_scale[slots]]
+        return tuple(parts)
+
+    def scatter_raw(self, slots: torch.Tensor, data: tuple[torch.Tensor, ...]) -> None:
+        """Inverse of gather_raw."""
+        targets = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        for target, values in zip(targets, data):
+            target[slots] = values
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy one whole page's entries."""
+        size = self.page_size
+        self.scatter_raw(
+            torch.arange(dst * size, (dst + 1) * size, device=self.k.device),
+            self.gather_raw(torch.arange(src * size, (src + 1) * size, device=self.k.device)),
+        )

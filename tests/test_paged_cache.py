@@ -1,0 +1,263 @@
+"""The paged streaming KV cache: allocator invariants, equivalences, eviction rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import random_model, tiny_config
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from streamgrok.cache.attention import chunk_attention
+from streamgrok.cache.config import CacheConfig, pyramid_budgets
+from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.tokens import PROTECTED, SOURCE, STREAM
+from streamgrok.errors import CacheFullError
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.contiguous_cache import ContiguousKVCache
+from streamgrok.stream_tokens import Modality, TokenInfo
+
+CFG = tiny_config()
+
+
+def append_random(cache: PagedKVCache, seq: int, n: int, info: TokenInfo | None = None,
+                  seed: int = 0) -> torch.Tensor:
+    """Append n tokens of random K/V to every layer (no model); returns layer-0 output."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = BatchMetadata.build([seq], [n])
+    batch.token_info = info
+    cache.prepare(batch)
+    out = None
+    for layer in range(CFG.num_layers):
+        q = torch.randn(n, CFG.num_heads, CFG.head_dim, generator=gen)
+        k = torch.randn(n, CFG.num_kv_heads, CFG.head_dim, generator=gen)
+        v = torch.randn(n, CFG.num_kv_heads, CFG.head_dim, generator=gen)
+        result = cache.attend(layer, q, k, v, batch)
+        out = result if out is None else out
+    return out
+
+
+def check_pool(cache: PagedKVCache) -> None:
+    """Every allocated page is referenced exactly refcount times; free ones never."""
+    owners = [0] * cache.pool.num_pages
+    for seq in cache.sequences.values():
+        for layer in seq.layers:
+            assert len(layer.pages) == math.ceil(layer.length / cache.config.page_size)
+            for page in layer.pages:
+                owners[page] += 1
+    assert owners == cache.pool.refcount
+    assert cache.pool.free_pages == sum(1 for c in owners if c == 0)
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["append", "evict", "remove", "add"]),
+              st.integers(0, 3), st.integers(1, 40)),
+    min_size=1, max_size=25,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, policy=st.sampled_from(["sink_window", "h2o", "redundancy", "pyramid"]),
+       frame_aware=st.booleans())
+def test_allocator_invariants(ops, policy, frame_aware):
+    config = CacheConfig(policy=policy, budget_tokens=24, sink_tokens=2, frame_aware=frame_aware)
+    cache = PagedKVCache(CFG, config, num_pages=64)
+    live: set[int] = set()
+    for step, (op, seq, n) in enumerate(ops):
+        if op == "add" and seq not in live:
+            cache.add_sequence(seq)
+            live.add(seq)
+        elif op == "append" and seq in live:
+            info = TokenInfo.uniform(n, Modality.FRAME, step, step // 2, False)
+            try:
+                append_random(cache, seq, n, info, seed=step)
+            except CacheFullError:
+                pass  # all-or-nothing: nothing may have changed
+        elif op == "evict":
+            cache.evict(force=True)
+            for s in live:
+                for length, budget in zip(cache.layer_lengths(s), cache.budgets):
+                    assert length <= budget
+        elif op == "remove" and seq in live:
+            cache.remove_sequence(seq)
+            live.discard(seq)
+        check_pool(cache)
+    for seq in list(live):
+        cache.remove_sequence(seq)
+    assert cache.pool.free_pages == cache.pool.num_pages
+    assert all(c == 0 for c in cache.pool.refcount)
+
+
+def test_out_of_pages_changes_nothing():
+    cache = PagedKVCache(CFG, CacheConfig(policy="full", budget_tokens=None), num_pages=4)
+    cache.add_sequence(0)
+    append_random(cache, 0, 16)  # 2 layers x 1 page
+    with pytest.raises(CacheFullError, match="out of pages"):
+        append_random(cache, 0, 40)  # would need 2 x 2 more pages
+    assert cache.layer_lengths(0) == [16, 16] and cache.pool.free_pages == 2
+    check_pool(cache)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_full_policy_matches_contiguous_cache(kv_dtype):
+    model = random_model(CFG)
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,)).tolist() for n in (21, 7, 33)]
+    paged = PagedKVCache(CFG, CacheConfig(policy="full", budget_tokens=None, kv_dtype=kv_dtype),
+                         num_pages=64)
+    contiguous = ContiguousKVCache(CFG, 3, 64)
+    for seq in range(3):
+        paged.add_sequence(seq)
+    feeds = prompts
+    for _ in range(5):
+        batch = BatchMetadata.build(range(3), [len(f) for f in feeds])
+        ids = torch.tensor(sum(feeds, []))
+        got = model(ids, batch, paged)
+        want = model(ids, BatchMetadata.build(range(3), [len(f) for f in feeds]), contiguous)
+        if kv_dtype == "float32":
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.nn.functional.cosine_similarity(got, want, -1).min() > 0.995
+        feeds = [[t] for t in want.argmax(-1).tolist()]
+
+
+def test_mixed_chunk_and_decode_batch_matches_separate_steps():
+    model = random_model(CFG)
+    config = CacheConfig(policy="full", budget_tokens=None)
+    together, apart = (PagedKVCache(CFG, config, num_pages=64) for _ in range(2))
+    for cache in (together, apart):
+        cache.add_sequence(0)
+        cache.add_sequence(1)
+        model(torch.arange(10), BatchMetadata.build([0], [10]), cache)
+    batch = BatchMetadata.build([0, 1], [1, 12])
+    got = model(torch.arange(40, 53), batch, together)
+    first = model(torch.tensor([40]), BatchMetadata.build([0], [1]), apart)
+    second = model(torch.arange(41, 53), BatchMetadata.build([1], [12]), apart)
+    torch.testing.assert_close(got, torch.cat([first, second]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["sink_window", "h2o", "snapkv", "redundancy"])
+def test_attention_after_compaction_equals_recomputation(policy):
+    config = CacheConfig(policy=policy, budget_tokens=40, sink_tokens=3, window_tokens=8)
+    cache = PagedKVCache(CFG, config, num_pages=64)
+    cache.add_sequence(0)
+    gen = torch.Generator().manual_seed(5)
+    layer0_k, layer0_v = [], []
+    for chunk in (30, 25, 17):
+        batch = BatchMetadata.build([0], [chunk])
+        cache.prepare(batch)
+        for layer in range(CFG.num_layers):
+            q = torch.randn(chunk, CFG.num_heads, CFG.head_dim, generator=gen)
+            k = torch.randn(chunk, CFG.num_kv_heads, CFG.head_dim, generator=gen)
+            v = torch.randn(chunk, CFG.num_kv_heads, CFG.head_dim, generator=gen)
+            if layer == 0:
+                layer0_k.append(k)
+                layer0_v.append(v)
+            cache.attend(layer, q, k, v, batch)
+    assert cache.evict() > 0
+    rec = cache.sequences[0].layers[0]
+    assert rec.length == 40
+    kept = rec.column(STREAM).long()
+    k_all, v_all = torch.cat(layer0_k), torch.cat(layer0_v)
+    # a new decode query against the compacted cache ...
+    q = torch.randn(1, CFG.num_heads, CFG.head_dim, generator=gen)
+    k_new = torch.randn(1, CFG.num_kv_heads, CFG.head_dim, generator=gen)
+    v_new = torch.randn(1, CFG.num_kv_heads, CFG.head_dim, generator=gen)
+    batch = BatchMetadata.build([0], [1])
+    cache.prepare(batch)
+    got = cache.attend(0, q, k_new, v_new, batch)
+    # ... equals attention recomputed from scratch on the kept tokens at positions 0..40
+    keys = torch.cat([k_all[kept], k_new])
+    values = torch.cat([v_all[kept], v_new])
+    positions = torch.arange(41)
+    want, _ = chunk_attention(
+        cache.rotary.rotate(q, positions[-1:]), cache.rotary.rotate(keys, positions), values,
+        past=40, mass_rows=None,
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["sink_window", "h2o", "snapkv", "redundancy", "pyramid"])
+def test_protected_tokens_and_sinks_survive(policy):
+    config = CacheConfig(policy=policy, budget_tokens=48, sink_tokens=4)
+    cache = PagedKVCache(CFG, config, num_pages=128)
+    cache.add_sequence(0)
+    append_random(cache, 0, 10, TokenInfo.text(10, protected=True))  # system prompt
+    for i in range(8):
+        append_random(cache, 0, 20, TokenInfo.uniform(20, Modality.FRAME, i, i, False), seed=i)
+        if i == 3:
+            append_random(cache, 0, 5, TokenInfo.text(5, protected=True), seed=99)  # question
+        cache.evict(force=True)
+    for rec, budget in zip(cache.sequences[0].layers, cache.budgets):
+        streams = rec.column(STREAM).long().tolist()
+        assert all(s in streams for s in range(10))  # sinks and the system prompt
+        assert all(s in streams for s in range(90, 95))  # the protected question
+        assert rec.column(PROTECTED).sum() == 15
+        assert rec.length <= budget
+
+
+def test_frame_aware_eviction_keeps_or_drops_whole_frames():
+    config = CacheConfig(policy="h2o", budget_tokens=64, sink_tokens=0, frame_aware=True)
+    cache = PagedKVCache(CFG, config, num_pages=128)
+    cache.add_sequence(0)
+    for frame in range(12):
+        append_random(cache, 0, 12, TokenInfo.uniform(12, Modality.FRAME, frame, frame, False),
+                      seed=frame)
+        cache.evict()
+    cache.evict(force=True)
+    for rec in cache.sequences[0].layers:
+        sources = rec.column(SOURCE).long()
+        counts = torch.bincount(sources, minlength=12)
+        assert set(counts.tolist()) <= {0, 12}
+        assert rec.length <= 64 and counts.gt(0).sum() >= 4
+
+
+def test_int8_pages_use_about_a_quarter_of_float32_memory():
+    f32 = CacheConfig(kv_dtype="float32").page_bytes(CFG)
+    i8 = CacheConfig(kv_dtype="int8").page_bytes(CFG)
+    bf16 = CacheConfig(kv_dtype="bfloat16").page_bytes(CFG)
+    assert bf16 == f32 // 2 and i8 < 0.6 * bf16
+
+
+def test_prefix_sharing_reuses_pages_and_copies_on_write():
+    model = random_model(CFG)
+    config = CacheConfig(policy="sink_window", budget_tokens=48, sink_tokens=2)
+    shared = PagedKVCache(CFG, config, num_pages=128)
+    alone = PagedKVCache(CFG, config, num_pages=128)
+    prompt = torch.randint(0, CFG.vocab_size, (40,)).tolist()  # 2 full pages + 8
+    shared.add_sequence(0)
+    model(torch.tensor(prompt), BatchMetadata.build([0], [40]), shared)
+    assert shared.publish_prefix(0, prompt) == 2
+    used_before = shared.pool.used_pages
+    reused = shared.add_sequence(1, prefix_tokens=prompt)
+    assert reused == 32
+    assert shared.pool.used_pages == used_before  # no new pages for the shared prefix
+    got = model(torch.tensor(prompt[32:]), BatchMetadata.build([1], [8]), shared)
+    alone.add_sequence(0)
+    want = model(torch.tensor(prompt), BatchMetadata.build([0], [40]), alone)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the owner streams on and evicts; the sharer's prefix must not change under it
+    for _ in range(3):
+        model(torch.randint(0, CFG.vocab_size, (20,)), BatchMetadata.build([0], [20]), shared)
+        shared.evict(force=True)
+    nxt = torch.tensor([7])
+    got = model(nxt, BatchMetadata.build([1], [1]), shared)
+    want = model(nxt, BatchMetadata.build([0], [1]), alone)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    shared.remove_sequence(0)
+    shared.remove_sequence(1)
+    assert shared.pool.free_pages == shared.pool.num_pages
+
+
+def test_pyramid_budgets_follow_the_schedule():
+    budgets = pyramid_budgets(1000, 30, 8, 0.2, floor=20)
+    assert sum(budgets) == 30 * 1000
+    assert budgets[:8] == [budgets[0]] * 8
+    assert all(a >= b for a, b in zip(budgets, budgets[1:]))
+    assert budgets[-1] / budgets[0] == pytest.approx(0.2, abs=0.01)
+    cfg = tiny_config(num_layers=4)
+    cache = PagedKVCache(cfg, CacheConfig(policy="pyramid", budget_tokens=40,
+                                          pyramid_full_layers=1), num_pages=256)
+    assert cache.budgets[0] > cache.budgets[-1]
