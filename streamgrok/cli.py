@@ -45,6 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
     decode.add_argument("--repeats", type=int, default=3, help="prefill repeats (median)")
     _add_model_options(decode)
+    kv = benches.add_parser("kv", help="KV cache: flat memory, passkey, perplexity, overhead")
+    kv.add_argument("--parts", default="flat,passkey,ppl,overhead")
+    kv.add_argument("--tokens", type=int, default=100_000, help="tokens streamed (flat part)")
+    kv.add_argument("--budget", type=int, default=2048, help="tokens per layer")
+    kv.add_argument("--flat-policy", default="h2o")
+    kv.add_argument("--contexts", default="2048,4096,7168")
+    kv.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    kv.add_argument("--budget-fractions", default="0.1,0.25,0.5")
+    kv.add_argument("--policies", default="sink_window,h2o,snapkv,redundancy,pyramid")
+    kv.add_argument("--ppl-tokens", type=int, default=16_384)
+    kv.add_argument("--out", default="bench-results", help="folder for plots")
+    _add_model_options(kv)
+    kv.set_defaults(dtype="bfloat16")
     return parser
 
 
@@ -127,6 +140,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
             batch_sizes=[int(b) for b in args.batches.split(",")],
             steps=args.steps,
             repeats=args.repeats,
+        )
+        return 0
+    if args.bench == "kv":
+        from pathlib import Path
+
+        from streamgrok.bench.kv import KvBenchOptions, run_kv_bench
+
+        def floats(text: str) -> tuple[float, ...]:
+            return tuple(float(x) for x in text.split(","))
+
+        run_kv_bench(
+            _load(args),
+            KvBenchOptions(
+                parts=tuple(args.parts.split(",")),
+                tokens=args.tokens,
+                budget=args.budget,
+                flat_policy=args.flat_policy,
+                contexts=tuple(int(x) for x in args.contexts.split(",")),
+                depths=floats(args.depths),
+                budget_fractions=floats(args.budget_fractions),
+                policies=tuple(args.policies.split(",")),
+                ppl_tokens=args.ppl_tokens,
+                out_dir=Path(args.out),
+            ),
         )
         return 0
     raise AssertionError(args.bench)

@@ -46,11 +46,15 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
+            raise ValueError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {self.policy!r} (choose from {POLICIES})")
         if self.layer_budgets not in ("uniform", "pyramid"):
-            raise ValueError(f"layer_budgets must be 'uniform' or 'pyramid', not {self.layer_budgets!r}")
+            raise ValueError(
+                f"layer_budgets must be 'uniform' or 'pyramid', not {self.layer_budgets!r}"
+            )
         if self.policy != "full" and not self.budget_tokens:
             raise ValueError(f"policy {self.policy!r} needs budget_tokens")
         if self.page_size < 1:

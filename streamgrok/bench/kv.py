@@ -1,0 +1,266 @@
+"""`streamgrok bench kv`: flat memory, passkey retrieval under budgets, streaming perplexity,
+eviction overhead. Every part runs its baseline (the full cache) in the same invocation."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from streamgrok.bench.corpus import stdlib_text
+from streamgrok.bench.timing import median
+from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.streaming import feed, greedy_continue
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.loader import LoadedModel
+
+EVICTING = ("sink_window", "h2o", "snapkv", "redundancy", "pyramid")
+PASSKEY_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
+
+
+@dataclass
+class KvBenchOptions:
+    """What `streamgrok bench kv` runs."""
+
+    parts: tuple[str, ...] = ("flat", "passkey", "ppl", "overhead")
+    tokens: int = 100_000
+    budget: int = 2048
+    flat_policy: str = "h2o"
+    contexts: tuple[int, ...] = (2048, 4096, 7168)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    budget_fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
+    policies: tuple[str, ...] = EVICTING
+    ppl_tokens: int = 16_384
+    chunk: int = 512
+    out_dir: Path = Path("bench-results")
+    results: dict = field(default_factory=dict)
+
+
+def run_kv_bench(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """Run the chosen parts, print their tables, return the numbers."""
+    print(f"model {loaded.source.name}  dtype {str(loaded.model.dtype).removeprefix('torch.')}  "
+          f"threads {torch.get_num_threads()}")
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    runners = {"flat": flat_memory, "passkey": passkey, "ppl": perplexity,
+               "overhead": eviction_overhead}
+    for part in options.parts:
+        if part not in runners:
+            raise ValueError(f"unknown bench kv part {part!r} (choose from {', '.join(runners)})")
+        options.results[part] = runners[part](loaded, options)
+    return options.results
+
+
+def _cache(loaded: LoadedModel, policy: str, budget: int | None, memory_gib: float = 1.0,
+           **extra) -> PagedKVCache:
+    config = CacheConfig(policy=policy, budget_tokens=budget, memory_gib=memory_gib, **extra)
+    return PagedKVCache(loaded.config, config, loaded.model.dtype, loaded.model.device)
+
+
+def flat_memory(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """Pages in use and process RSS at 10%, 50%, 100% of a long stream."""
+    tok = loaded.tokenizer
+    ids: list[int] = []
+    skip = 0
+    while len(ids) < options.tokens:
+        ids += tok.encode(stdlib_text(400_000, skip_chars=skip))
+        skip += 400_000
+    ids = ids[: options.tokens]
+    cache = _cache(loaded, options.flat_policy, options.budget)
+    cache.add_sequence(0)
+    marks = {max(options.chunk, round(options.tokens * f / options.chunk) * options.chunk): f
+             for f in (0.1, 0.5, 1.0)}
+    marks[options.tokens] = 1.0
+    rows = []
+    process = psutil.Process()
+    bar = tqdm(total=options.tokens, desc="bench kv flat", unit="tok", leave=False)
+    started = time.perf_counter()
+
+    def record(done: int, _logits) -> None:
+        bar.update(done - bar.n)
+        if done in marks:
+            rows.append((marks[done], done, cache.pool.used_pages, process.memory_info().rss,
+                         max(cache.layer_lengths(0))))
+
+    feed(loaded.model, cache, 0, ids, chunk=options.chunk, on_chunk=record)
+    bar.close()
+    elapsed = time.perf_counter() - started
+    print(f"\n[flat memory] policy {options.flat_policy}, budget {options.budget} tokens/layer, "
+          f"{options.tokens} tokens streamed in {elapsed:.0f} s "
+          f"({options.tokens / elapsed:.0f} tok/s)")
+    print(f"{'stream':>7} {'tokens':>9} {'pages':>7} {'KV MiB':>8} {'RSS MiB':>9} "
+          f"{'max layer len':>14}")
+    for frac, done, pages, rss, longest in rows:
+        print(f"{frac:>6.0%} {done:>9} {pages:>7} {pages * cache.page_bytes / 2**20:>8.1f} "
+              f"{rss / 2**20:>9.0f} {longest:>14}")
+    first, last = rows[0], rows[-1]
+    pages_drift = last[2] / first[2] - 1
+    rss_drift = last[3] / first[3] - 1
+    print(f"drift 10% -> 100%: pages {pages_drift:+.1%}, RSS {rss_drift:+.1%} "
+          f"(flat = within 5%)")
+    return {"rows": rows, "pages_drift": pages_drift, "rss_drift": rss_drift}
+
+
+def passkey_prompt(tok, context: int, depth: float, key: str) -> list[int]:
+    """A plain completion prompt of ~`context` tokens with the key inserted at `depth`."""
+    needle = tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    question = tok.encode(" What is the pass key? The pass key is")
+    filler = tok.encode(PASSKEY_FILLER)
+    room = context - len(needle) - len(question)
+    body = (filler * (room // len(filler) + 1))[:room]
+    cut = int(len(body) * depth)
+    return body[:cut] + needle + body[cut:] + question
+
+
+def passkey(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """Passkey accuracy for every policy and budget, against the full cache."""
+    tok = loaded.tokenizer
+    rng = random.Random(1234)
+    configs = [("full", None)] + [(p, f) for p in options.policies
+                                   for f in options.budget_fractions]
+    cases = [(c, d, f"{rng.randint(10000, 99999)}") for c in options.contexts
+             for d in options.depths]
+    accuracy: dict[tuple[str, float | None, int], float] = {}
+    bar = tqdm(total=len(configs) * len(cases), desc="bench kv passkey", leave=False)
+    for policy, fraction in configs:
+        for context in options.contexts:
+            hits = 0
+            for ctx, depth, key in cases:
+                if ctx != context:
+                    continue
+                budget = None if fraction is None else int(context * fraction)
+                cache = _cache(loaded, policy, budget, memory_gib=0.5)
+                cache.add_sequence(0)
+                ids = passkey_prompt(tok, context, depth, key)
+                logits = feed(loaded.model, cache, 0, ids, chunk=options.chunk)
+                answer = tok.decode(greedy_continue(loaded.model, cache, 0, logits, 7))
+                hits += key in answer
+                bar.update()
+            accuracy[(policy, fraction, context)] = hits / len(options.depths)
+    bar.close()
+    print(f"\n[passkey] accuracy over depths {', '.join(f'{d:.0%}' for d in options.depths)}; "
+          f"budget = fraction of the context kept per layer (mean over layers)")
+    header = f"{'policy':<12} {'budget':>6} " + " ".join(f"{c:>6}" for c in options.contexts)
+    print(header + f" {'mean':>6}")
+    for policy, fraction in configs:
+        values = [accuracy[(policy, fraction, c)] for c in options.contexts]
+        label = "100%" if fraction is None else f"{fraction:.0%}"
+        print(f"{policy:<12} {label:>6} " + " ".join(f"{v:>6.0%}" for v in values)
+              + f" {sum(values) / len(values):>6.0%}")
+    _plot_passkey(accuracy, options)
+    return {f"{p}@{f}@{c}": a for (p, f, c), a in accuracy.items()}
+
+
+def _plot_passkey(accuracy, options: KvBenchOptions) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(options.contexts), figsize=(4 * len(options.contexts), 3.4),
+                             sharey=True)
+    axes = [axes] if len(options.contexts) == 1 else list(axes)
+    for ax, context in zip(axes, options.contexts):
+        xs = list(options.budget_fractions)
+        for policy in options.policies:
+            ax.plot([x * 100 for x in xs], [accuracy[(policy, f, context)] * 100 for f in xs],
+                    marker="o", label=policy)
+        ax.axhline(accuracy[("full", None, context)] * 100, color="black", linestyle="--",
+                   label="full cache")
+        ax.set_title(f"context {context}")
+        ax.set_xlabel("KV budget (% of context)")
+        ax.set_ylim(-5, 105)
+    axes[0].set_ylabel("passkey accuracy (%)")
+    axes[-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path = options.out_dir / "kv_passkey.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def perplexity(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """Perplexity per 4k-token window of a long real text, streamed through each cache."""
+    tok = loaded.tokenizer
+    ids = tok.encode(stdlib_text(options.ppl_tokens * 5, skip_chars=3_000_000))
+    ids = ids[: options.ppl_tokens + 1]
+    window = 4096
+    trained = loaded.config.max_positions
+    configs = [("full", None), ("sink_window", options.budget), ("h2o", options.budget)]
+    table: dict[str, list[float]] = {}
+    for policy, budget in configs:
+        cache = _cache(loaded, policy, budget, memory_gib=2.0)
+        cache.add_sequence(0)
+        nll = torch.zeros(options.ppl_tokens)
+        bar = tqdm(total=options.ppl_tokens, desc=f"bench kv ppl {policy}", leave=False)
+
+        def score(done: int, logits: torch.Tensor, nll=nll, bar=bar) -> None:
+            start = done - logits.shape[0]
+            targets = torch.tensor(ids[start + 1 : done + 1])
+            n = targets.numel()
+            nll[start : start + n] = torch.nn.functional.cross_entropy(
+                logits[:n].float(), targets, reduction="none")
+            bar.update(done - bar.n)
+
+        feed(loaded.model, cache, 0, ids[:-1], chunk=options.chunk, all_logits=True,
+             on_chunk=score)
+        bar.close()
+        table[policy] = [math.exp(float(nll[s : s + window].mean()))
+                         for s in range(0, options.ppl_tokens, window)]
+    print(f"\n[perplexity] {options.ppl_tokens} tokens of Python stdlib source; budget "
+          f"{options.budget} tokens/layer; the model was trained on {trained} positions")
+    spans = [f"{s // 1024}-{(s + window) // 1024}k" for s in range(0, options.ppl_tokens, window)]
+    print(f"{'cache':<12} " + " ".join(f"{s:>9}" for s in spans))
+    for policy, values in table.items():
+        cells = []
+        for s, v in zip(range(0, options.ppl_tokens, window), values):
+            mark = "*" if policy == "full" and s + window > trained else " "
+            cells.append(f"{v:>8.2f}{mark}")
+        print(f"{policy:<12} " + " ".join(cells))
+    print("* full cache past the trained context (absolute positions beyond "
+          f"{trained})")
+    return table
+
+
+def eviction_overhead(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """Time per eviction pass and its share of decode time, per policy."""
+    tok = loaded.tokenizer
+    ids = tok.encode(stdlib_text(60_000))[: options.budget * 2]
+    steps = 64
+    results = {}
+    print(f"\n[eviction overhead] budget {options.budget}, {steps} decode steps after "
+          f"{len(ids)} tokens; evict when a layer exceeds budget + 16")
+    print(f"{'policy':<12} {'step ms':>8} {'passes':>7} {'ms/pass':>8} {'share':>7} "
+          f"{'vs full step':>13}")
+    baseline = None
+    for policy in ("full",) + tuple(options.policies):
+        cache = _cache(loaded, policy, None if policy == "full" else options.budget)
+        cache.add_sequence(0)
+        feed(loaded.model, cache, 0, ids, chunk=options.chunk)
+        before = (cache.stats.eviction_passes, cache.stats.eviction_seconds)
+        step_times = []
+        token = torch.tensor([ids[-1]], device=loaded.model.device)
+        with torch.inference_mode():
+            for _ in range(steps):
+                started = time.perf_counter()
+                loaded.model(token, BatchMetadata.build([0], [1]), cache)
+                step_times.append(time.perf_counter() - started)
+                cache.evict([0])
+        passes = cache.stats.eviction_passes - before[0]
+        evict_s = cache.stats.eviction_seconds - before[1]
+        step = median(step_times)
+        baseline = baseline or step
+        per_pass = evict_s / passes * 1e3 if passes else 0.0
+        share = evict_s / (sum(step_times) + evict_s)
+        print(f"{policy:<12} {step * 1e3:>8.1f} {passes:>7} {per_pass:>8.1f} {share:>7.1%} "
+              f"{step / baseline:>12.2f}x")
+        results[policy] = {"step_ms": step * 1e3, "ms_per_pass": per_pass, "share": share}
+    return results
