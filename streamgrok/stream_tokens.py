@@ -17,7 +17,7 @@ class Modality(IntEnum):
     NOTE = 3
 
 
-@dataclass
+@dataclass(eq=False)
 class TokenInfo:
     """Metadata of new tokens appended in one batch: tensors of [tokens] each."""
 

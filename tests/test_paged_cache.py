@@ -261,3 +261,51 @@ def test_pyramid_budgets_follow_the_schedule():
     cache = PagedKVCache(cfg, CacheConfig(policy="pyramid", budget_tokens=40,
                                           pyramid_full_layers=1), num_pages=256)
     assert cache.budgets[0] > cache.budgets[-1]
+
+
+def test_fork_sees_the_snapshot_and_both_sides_stream_on():
+    model = random_model(CFG)
+    config = CacheConfig(policy="h2o", budget_tokens=48, sink_tokens=2)
+    cache = PagedKVCache(CFG, config, num_pages=128)
+    reference = PagedKVCache(CFG, config, num_pages=128)
+    prompt = torch.randint(0, CFG.vocab_size, (37,))  # partial last page
+    for c in (cache, reference):
+        c.add_sequence(0)
+        model(prompt, BatchMetadata.build([0], [37]), c)
+    cache.fork(0, 1)
+    # the original streams on and evicts while the fork answers
+    for _ in range(3):
+        model(torch.randint(0, CFG.vocab_size, (20,)), BatchMetadata.build([0], [20]), cache)
+        cache.evict(force=True)
+    question = torch.tensor([5, 9, 11])
+    got = model(question, BatchMetadata.build([1], [3]), cache)
+    want = model(question, BatchMetadata.build([0], [3]), reference)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    check_pool(cache)
+    cache.remove_sequence(1)
+    cache.remove_sequence(0)
+    assert cache.pool.free_pages == cache.pool.num_pages
+
+
+def test_limit_protected_releases_oldest_but_not_the_system_prompt():
+    cache = PagedKVCache(CFG, CacheConfig(policy="h2o", budget_tokens=64), num_pages=64)
+    cache.add_sequence(0)
+    append_random(cache, 0, 8, TokenInfo.text(8, protected=True))
+    for i in range(4):
+        append_random(cache, 0, 10, TokenInfo.text(10, protected=True), seed=i)
+    assert cache.limit_protected(0, max_protected=25, keep_first=8) == 2 * 15
+    rec = cache.sequences[0].layers[0]
+    prot = rec.column(PROTECTED) > 0
+    assert prot[:8].all() and not prot[8:23].any() and prot[23:].all()
+
+
+def test_prefix_entry_dies_with_its_pages():
+    config = CacheConfig(policy="full", budget_tokens=None)
+    cache = PagedKVCache(CFG, config, num_pages=32)
+    prompt = list(range(40))
+    cache.add_sequence(0)
+    append_random(cache, 0, 40)
+    assert cache.publish_prefix(0, prompt) == 2
+    cache.remove_sequence(0)
+    assert cache.add_sequence(1, prefix_tokens=prompt) == 0  # freed pages are not reused
+    check_pool(cache)

@@ -14,7 +14,7 @@ from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
 from streamgrok.cache.prefix import PrefixIndex
-from streamgrok.cache.tokens import META_COLUMNS, STREAM, LayerTokens
+from streamgrok.cache.tokens import META_COLUMNS, PROTECTED, STREAM, LayerTokens
 from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.config import ModelConfig
@@ -46,7 +46,11 @@ class CacheStats:
 
 
 class PagedKVCache:
-    """Paged K/V for many sequences, each layer with its own page table and budget."""
+    """Paged K/V for many sequences, each layer with its own page table and budget.
+
+    Every method that touches cache tensors runs in inference mode, so the bookkeeping tensors
+    are consistent whether callers use inference mode or not.
+    """
 
     def __init__(
         self,
@@ -78,7 +82,6 @@ class PagedKVCache:
         self.rotary = Rotary(model_config, self.device)
         self.sequences: dict[int, SequenceState] = {}
         self.stats = CacheStats(evicted_by_layer=[0] * model_config.num_layers)
-        self._starts: dict[int, list[int]] = {}
 
     def memory_budget_bytes(self) -> float:
         """Bytes the page pool may use: a fixed size, or a share of free GPU memory."""
@@ -91,6 +94,7 @@ class PagedKVCache:
 
     # -- sequences -------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def add_sequence(
         self,
         seq_id: int,
@@ -120,6 +124,58 @@ class PagedKVCache:
         self.stats.prefix_hit_tokens += reused
         return reused
 
+    @torch.inference_mode()
+    def fork(self, src_id: int, dst_id: int) -> None:
+        """Start sequence `dst_id` as a copy of `src_id` that shares its full pages.
+
+        Partly filled last pages are copied at once, so both sequences can append; later
+        compaction of either copies shared pages on write.
+        """
+        if dst_id in self.sequences:
+            raise ValueError(f"sequence {dst_id} already exists")
+        src = self.sequences[src_id]
+        partial = [rec for rec in src.layers if rec.length % self.config.page_size]
+        if len(partial) > self.pool.free_pages:
+            raise CacheFullError(
+                f"KV cache out of pages: forking needs {len(partial)}, "
+                f"{self.pool.free_pages} free of {self.pool.num_pages}"
+            )
+        layers = []
+        for rec in src.layers:
+            pages = list(rec.pages)
+            for page in pages:
+                self.pool.share(page)
+            if rec.length % self.config.page_size:
+                fresh = self.pool.allocate(1)[0]
+                self.pool.copy_page(pages[-1], fresh)
+                self.pool.release([pages[-1]])
+                pages[-1] = fresh
+            copy = LayerTokens(self.config.page_size)
+            copy.set_pages(pages)
+            copy.meta = rec.meta.clone()
+            copy.score = rec.score.clone()
+            copy.length = rec.length
+            layers.append(copy)
+        self.sequences[dst_id] = SequenceState(
+            dst_id, layers, src.stream_pos, src.next_group, src.last_frame_source
+        )
+
+    @torch.inference_mode()
+    def limit_protected(self, seq_id: int, max_protected: int, keep_first: int) -> int:
+        """Unprotect the oldest protected tokens beyond `max_protected` per layer, never the
+        first `keep_first` stream tokens (the system prompt); returns tokens unprotected."""
+        released = 0
+        for rec in self.sequences[seq_id].layers:
+            protected = torch.nonzero(
+                (rec.column(PROTECTED) > 0) & (rec.column(STREAM) >= keep_first)
+            ).flatten()
+            excess = protected.numel() - max_protected
+            if excess > 0:
+                rec.meta[protected[:excess], PROTECTED] = 0.0
+                released += excess
+        return released
+
+    @torch.inference_mode()
     def publish_prefix(self, seq_id: int, tokens: Sequence[int]) -> int:
         """Offer the sequence's leading full pages of `tokens` for sharing; returns pages
         published (none once eviction has touched the prefix)."""
@@ -132,6 +188,7 @@ class PagedKVCache:
         pages = [layer.pages[: full // self.config.page_size] for layer in seq.layers]
         return self.prefix.publish(list(tokens[:full]), pages, self.pool.generation)
 
+    @torch.inference_mode()
     def remove_sequence(self, seq_id: int) -> None:
         """Free every page of a sequence."""
         seq = self.sequences.pop(seq_id)
@@ -145,10 +202,11 @@ class PagedKVCache:
 
     def can_append(self, seq_id: int, count: int) -> bool:
         """Whether `count` more tokens fit in the pool right now."""
-        return self._pages_needed({seq_id: count}) <= self.pool.free_pages
+        return self.pages_needed({seq_id: count}) <= self.pool.free_pages
 
     # -- AttentionBackend ------------------------------------------------------------------
 
+    @torch.inference_mode()
     def prepare(self, batch: BatchMetadata) -> None:
         """Allocate pages and record metadata for the batch's new tokens (all or nothing)."""
         spans = batch.spans()
@@ -157,17 +215,18 @@ class PagedKVCache:
         for seq_id, _, _ in spans:
             if seq_id not in self.sequences:
                 raise KeyError(f"unknown sequence {seq_id}; call add_sequence first")
-        needed = self._pages_needed({s: n for s, _, n in spans})
+        needed = self.pages_needed({s: n for s, _, n in spans})
         if needed > self.pool.free_pages:
             raise CacheFullError(
                 f"KV cache out of pages: this step needs {needed}, {self.pool.free_pages} free "
                 f"of {self.pool.num_pages}"
             )
         info = batch.token_info or TokenInfo.text(batch.num_tokens)
-        self._starts = {}
+        starts: dict[int, list[int]] = {}
+        batch.backend_state = starts
         for seq_id, row, n in spans:
             seq = self.sequences[seq_id]
-            self._starts[seq_id] = [layer.length for layer in seq.layers]
+            starts[seq_id] = [layer.length for layer in seq.layers]
             for layer in seq.layers:
                 extra = math.ceil((layer.length + n) / self.config.page_size) - len(layer.pages)
                 if extra > 0:
@@ -175,6 +234,7 @@ class PagedKVCache:
             self._append_records(seq, info.slice(row, row + n))
         self.stats.appended_tokens += batch.num_tokens
 
+    @torch.inference_mode()
     def attend(
         self,
         layer: int,
@@ -186,7 +246,7 @@ class PagedKVCache:
         """Store the new K/V of `layer`, then attend over each sequence's cached tokens."""
         spans = batch.spans()
         records = [self.sequences[s].layers[layer] for s, _, _ in spans]
-        starts = [self._starts[s][layer] for s, _, _ in spans]
+        starts = [batch.backend_state[s][layer] for s, _, _ in spans]
         new_slots = torch.cat(
             [rec.slots(st, st + n) for rec, st, (_, _, n) in zip(records, starts, spans)]
         ).to(self.device)
@@ -239,6 +299,7 @@ class PagedKVCache:
 
     # -- eviction --------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def evict(self, seq_ids: Sequence[int] | None = None, force: bool = False) -> int:
         """Bring every layer over budget + slack back to its budget; returns tokens evicted.
 
@@ -292,7 +353,8 @@ class PagedKVCache:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _pages_needed(self, counts: dict[int, int]) -> int:
+    def pages_needed(self, counts: dict[int, int]) -> int:
+        """Pages that appending counts[seq] tokens to each sequence would allocate."""
         page_size = self.config.page_size
         needed = 0
         for seq_id, n in counts.items():

@@ -81,6 +81,7 @@ class PagePool:
                 raise ValueError(f"page {page} released twice")
             self.refcount[page] -= 1
             if self.refcount[page] == 0:
+                self.generation[page] += 1  # whatever the prefix index knew of it is gone
                 self._free.append(page)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

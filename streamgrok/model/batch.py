@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -31,6 +31,7 @@ class BatchMetadata:
     embed_values: torch.Tensor | None = None
     logit_rows: torch.Tensor | None = None
     token_info: TokenInfo | None = None
+    backend_state: Any = None  # filled by AttentionBackend.prepare, read by attend
 
     @classmethod
     def build(
@@ -70,7 +71,8 @@ class AttentionBackend(Protocol):
     """
 
     def prepare(self, batch: BatchMetadata) -> None:
-        """Reserve room and positions for the batch's new tokens, once per forward pass."""
+        """Reserve room and positions for the batch's new tokens, once per forward pass;
+        whatever attend needs later goes into `batch.backend_state`."""
         ...
 
     def attend(

@@ -32,8 +32,6 @@ class ContiguousKVCache:
         self.lengths = [0] * max_seqs
         self.capacity = capacity
         self.rotary = Rotary(config, device)
-        self._starts: list[int] = []
-        self._positions = torch.empty(0, dtype=torch.long)
 
     def reset(self, seq_id: int) -> None:
         """Forget a sequence's tokens so its slot can be reused."""
@@ -54,10 +52,10 @@ class ContiguousKVCache:
                 )
         for seq, start, n in zip(batch.seq_ids, starts, batch.query_lens):
             self.lengths[seq] = start + n
-        self._starts = starts
-        self._positions = torch.cat(
+        positions = torch.cat(
             [torch.arange(st, st + n) for st, n in zip(starts, batch.query_lens)]
         ).to(self.k.device)
+        batch.backend_state = (starts, positions)
 
     def attend(
         self,
@@ -68,16 +66,17 @@ class ContiguousKVCache:
         batch: BatchMetadata,
     ) -> torch.Tensor:
         """Store this layer's new K/V for each sequence, then attend (causal within chunks)."""
-        q = self.rotary.rotate(q, self._positions)
-        k = self.rotary.rotate(k, self._positions)
+        starts, positions = batch.backend_state
+        q = self.rotary.rotate(q, positions)
+        k = self.rotary.rotate(k, positions)
         spans = batch.spans()
-        for (seq, row, n), start in zip(spans, self._starts):
+        for (seq, row, n), start in zip(spans, starts):
             self.k[layer, seq, :, start : start + n] = k[row : row + n].transpose(0, 1)
             self.v[layer, seq, :, start : start + n] = v[row : row + n].transpose(0, 1)
         if batch.is_decode:
-            return self._decode(layer, q, batch.seq_ids, self._starts)
+            return self._decode(layer, q, batch.seq_ids, starts)
         out = torch.empty_like(q)
-        for (seq, row, n), start in zip(spans, self._starts):
+        for (seq, row, n), start in zip(spans, starts):
             out[row : row + n] = self._prefill(layer, q[row : row + n], seq, start, n)
         return out
 

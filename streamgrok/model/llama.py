@@ -7,6 +7,8 @@ cache, or Triton kernels.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -124,6 +126,42 @@ class Transformer(nn.Module):
             x = x.index_select(0, batch.logit_rows)
         return self.output(self.norm(x)).float()
 
+    def forward_nano(
+        self,
+        parts: list[tuple[torch.Tensor, BatchMetadata]],
+        backend: AttentionBackend,
+        streams: list | None = None,
+    ) -> list[torch.Tensor]:
+        """Run several nano-batches layer by layer, interleaved (NanoFlow).
+
+        With CUDA `streams` (one per part) each nano-batch's kernels queue on its own stream,
+        so one part's attention (memory-bound) overlaps another's GEMMs (compute-bound). On CPU
+        the parts run in turn and give the same results as separate forward passes.
+        """
+        contexts = [_stream_context(streams[i] if streams else None) for i in range(len(parts))]
+        xs = []
+        for (ids, batch), ctx in zip(parts, contexts):
+            with ctx:
+                backend.prepare(batch)
+                x = self.embed(ids)
+                if batch.embed_rows is not None and batch.embed_values is not None:
+                    x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
+                xs.append(x)
+        for layer in self.layers:
+            for i, ((_, batch), ctx) in enumerate(zip(parts, contexts)):
+                with ctx:
+                    xs[i] = layer(xs[i], batch, backend)
+        outs = []
+        for x, (_, batch), ctx in zip(xs, parts, contexts):
+            with ctx:
+                if batch.logit_rows is not None:
+                    x = x.index_select(0, batch.logit_rows)
+                outs.append(self.output(self.norm(x)).float())
+        if streams:
+            for stream in streams:
+                torch.cuda.current_stream().wait_stream(stream)
+        return outs
+
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
@@ -147,3 +185,7 @@ class Transformer(nn.Module):
         if not self.config.tie_embeddings:
             total -= self.embed.weight.numel() * self.embed.weight.element_size()
         return total
+
+
+def _stream_context(stream) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

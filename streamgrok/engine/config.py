@@ -1,0 +1,36 @@
+"""Engine and scheduler parameters (defaults from the origin document where it gives them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches work.
+
+    max_batch: decode sequences per step. step_tokens: tokens (decode + prefill) per step.
+    merge_window_s: after idling, wait this long for more work before the first step.
+    length_ratio: decode sequences are grouped into nano-batches of similar cache length
+    (shortest/longest >= ratio) to cut padding. nano_batches: split each step this many ways.
+    frame_queue / text_queue_tokens: per-session pending bounds (frames drop oldest; text waits).
+    """
+
+    max_batch: int = 32
+    step_tokens: int = 512
+    min_prefill_share: int = 32
+    merge_window_s: float = 0.010
+    length_ratio: float = 0.8
+    nano_batches: int = 1
+    frame_queue: int = 64
+    text_queue_tokens: int = 16_384
+    protect_answers: bool = True
+    max_protected_fraction: float = 0.5
+    max_sessions: int = 256
+    recent_steps: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.step_tokens < 1 or self.nano_batches < 1:
+            raise ValueError("max_batch, step_tokens and nano_batches must be >= 1")
+        if self.min_prefill_share < 1:
+            raise ValueError("min_prefill_share must be >= 1")

@@ -1,0 +1,460 @@
+"""The Engine: a worker thread that runs scheduler steps; sessions talk to it from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+import torch
+
+from streamgrok.bench.timing import percentile
+from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.engine.config import EngineConfig
+from streamgrok.engine.metrics import EngineStats, StepRecord
+from streamgrok.engine.pending import AppendItem, PendingQueue, QuestionMarker
+from streamgrok.engine.runner import ModelRunner
+from streamgrok.engine.scheduler import Scheduler, StepPlan
+from streamgrok.engine.session import Answer, Session
+from streamgrok.engine.state import AnswerState, SessionState
+from streamgrok.errors import CacheFullError, StreamgrokError
+from streamgrok.model.detokenizer import IncrementalDetokenizer
+from streamgrok.model.loader import LoadedModel
+from streamgrok.model.sampling import SamplingParams, new_generator
+from streamgrok.stream_tokens import TokenInfo
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Serves many sessions with one model. Use `async with Engine(...) as engine:`."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cache_config: CacheConfig | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.model_config = loaded.config
+        self.config = config or EngineConfig()
+        self.cache = PagedKVCache(
+            loaded.config, cache_config or CacheConfig(), loaded.model.dtype, loaded.model.device
+        )
+        self.scheduler = Scheduler(self.config, self.cache)
+        self.runner = ModelRunner(loaded.model, self.cache, self.config.nano_batches,
+                                  self.config.length_ratio)
+        self.stats = EngineStats()
+        self._sessions: dict[int, SessionState] = {}
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopping = threading.Event()
+        self._ids = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._end_of_turn = self._end_of_turn_tokens()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "Engine":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    def start(self) -> None:
+        """Start the worker thread (call from inside the running event loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="streamgrok-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the worker after its current step."""
+        self._stopping.set()
+        self.wake()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    # -- asyncio-side API ------------------------------------------------------------------
+
+    def new_session(self, system_prompt: str | None = None) -> Session:
+        """A new streaming context, starting with the system prompt (protected, shared)."""
+        if len(self._sessions) >= self.config.max_sessions:
+            raise StreamgrokError(f"too many sessions (max {self.config.max_sessions})")
+        session_id = next(self._ids)
+        system_tokens = []
+        if system_prompt is not None:
+            system_tokens = self.tokenizer.encode(
+                self.tokenizer.render_chat([{"role": "system", "content": system_prompt}],
+                                           add_generation_prompt=False))
+        space = asyncio.Event()
+        loop = self._require_loop()
+        state = SessionState(
+            session_id, next(self._ids),
+            PendingQueue(self.config.frame_queue, self.config.text_queue_tokens),
+            system_tokens, notify_space=lambda: loop.call_soon_threadsafe(space.set),
+        )
+        if system_tokens:
+            state.pending.put(AppendItem(TokenInfo.text(len(system_tokens), protected=True),
+                                         torch.tensor(system_tokens, dtype=torch.long)))
+        self._sessions[session_id] = state
+        self._commands.put(("register", state))
+        self.wake()
+        return Session(self, state, space)
+
+    def submit_question(
+        self,
+        session: SessionState,
+        question: str,
+        sampling: SamplingParams | None,
+        raw: bool,
+        remember: bool,
+    ) -> Answer:
+        sampling = sampling or SamplingParams()
+        turn = question if raw else self.render_turn(session, "user", question, True)
+        prompt = self.tokenizer.encode(turn)
+        out: asyncio.Queue = asyncio.Queue(maxsize=sampling.max_tokens + 4)
+        loop = self._require_loop()
+        state = AnswerState(
+            answer_id=next(self._ids),
+            session_id=session.session_id,
+            prompt=torch.tensor(prompt, dtype=torch.long),
+            sampling=sampling,
+            generator=None if sampling.greedy else new_generator(sampling),
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            stop_ids=self.tokenizer.stop_ids | sampling.stop_token_ids,
+            emit=lambda kind, payload: loop.call_soon_threadsafe(out.put_nowait, (kind, payload)),
+            append_to_context=remember,
+        )
+        state.metrics.prompt_tokens = len(prompt)
+        state.metrics.asked_step = self.stats.steps
+        self.stats.answers_started += 1
+        session.pending.put(QuestionMarker(state))
+        self.wake()
+        return Answer(state, out, self)
+
+    async def close_session(self, state: SessionState) -> None:
+        done = self._require_loop().create_future()
+        self._commands.put(("close", state, done))
+        self.wake()
+        await done
+
+    async def generate(
+        self, prompt: str, sampling: SamplingParams | None = None, chat: bool = True
+    ) -> AsyncIterator[str]:
+        """One-shot text request on the same machinery: a short-lived session."""
+        session = self.new_session()
+        try:
+            answer = session.ask(prompt, sampling, raw=not chat, remember=False)
+            async for delta in answer:
+                yield delta
+        finally:
+            await session.close()
+
+    def record_drops(self, dropped: list[AppendItem]) -> None:
+        self.stats.dropped_frames += len(dropped)
+        self.stats.dropped_frame_tokens += sum(len(d) for d in dropped)
+
+    def snapshot(self) -> dict:
+        """Engine and cache numbers for metrics and the `stats` event."""
+        recent = list(self.stats.recent)
+        step_ms = [r.seconds * 1e3 for r in recent]
+        pool = self.cache.pool
+        return {
+            "sessions": len(self._sessions),
+            "steps": self.stats.steps,
+            "decode_tokens": self.stats.decode_tokens,
+            "prefill_tokens": self.stats.prefill_tokens,
+            "answers": {
+                "started": self.stats.answers_started,
+                "finished": self.stats.answers_finished,
+                "cancelled": self.stats.answers_cancelled,
+                "failed": self.stats.answers_failed,
+            },
+            "step_ms_p50": percentile(step_ms, 50),
+            "step_ms_p95": percentile(step_ms, 95),
+            "last_step": None if not recent else {
+                "decode_tokens": recent[-1].decode_tokens,
+                "prefill_tokens": recent[-1].prefill_tokens,
+                "sequences": recent[-1].sequences,
+            },
+            "queue_tokens": {s.session_id: s.pending.pending_tokens()
+                             for s in list(self._sessions.values())},
+            "kv_pages_used": pool.used_pages,
+            "kv_pages_total": pool.num_pages,
+            "kv_bytes_used": pool.used_pages * self.cache.page_bytes,
+            "evicted_tokens": self.cache.stats.evicted_tokens,
+            "eviction_passes": self.cache.stats.eviction_passes,
+            "dropped_frames": self.stats.dropped_frames,
+            "unprotected_tokens": self.stats.unprotected_tokens,
+            "errors": self.stats.errors,
+        }
+
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise StreamgrokError("the engine is not started (use `async with Engine(...)`)")
+        return self._loop
+
+    def render_turn(
+        self, session: SessionState, role: str, content: str, generation_prompt: bool
+    ) -> str:
+        """One chat turn as the model's template writes it after the session's system turn."""
+        tok = self.tokenizer
+        message = {"role": role, "content": content}
+        if not session.system_tokens:
+            return tok.render_chat([message], add_generation_prompt=generation_prompt)
+        system = {"role": "system", "content": "."}
+        before = tok.render_chat([system], add_generation_prompt=False)
+        after = tok.render_chat([system, message], add_generation_prompt=generation_prompt)
+        return after[len(before):]
+
+    def _end_of_turn_tokens(self) -> list[int]:
+        if not self.tokenizer.chat_template:
+            return [self.tokenizer.encode("\n")[0]] if self.tokenizer.encode("\n") else []
+        return [self.tokenizer.eos_id, *self.tokenizer.encode("\n")]
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            idle = True
+            while not self._stopping.is_set():
+                try:
+                    idle = self._iterate(idle)
+                except Exception as exc:  # keep serving: fail what was in flight, go on
+                    log.exception("engine iteration failed")
+                    self.stats.errors += 1
+                    self._fail_in_flight(f"engine error: {exc}")
+            self._shutdown()
+
+    def _iterate(self, idle: bool) -> bool:
+        """One scheduling round; returns whether the engine is idle afterwards."""
+        self._apply_commands()
+        self._reap_cancelled()
+        self._admit_questions()
+        plan = self.scheduler.plan(self._active_sessions())
+        if plan.empty:
+            self._wakeup.wait(timeout=0.05)
+            self._wakeup.clear()
+            return True
+        if idle and self.config.merge_window_s > 0:
+            time.sleep(self.config.merge_window_s)  # let concurrent arrivals join this step
+            return False
+        self._step(plan)
+        return False
+
+    def _fail_in_flight(self, message: str) -> None:
+        for session in list(self._sessions.values()):
+            for answer in list(session.answers.values()):
+                if answer.seq_id in self.cache.sequences:
+                    self.cache.remove_sequence(answer.seq_id)
+                session.answers.pop(answer.answer_id, None)
+                self._fail(answer, message)
+
+    def _active_sessions(self) -> list[SessionState]:
+        return [s for s in self._sessions.values() if s.registered and not s.closing]
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "register":
+                self._register(command[1])
+            elif command[0] == "close":
+                _, state, done = command
+                self._close(state)
+                self._require_loop().call_soon_threadsafe(_resolve, done)
+
+    def _register(self, state: SessionState) -> None:
+        try:
+            reused = self.cache.add_sequence(
+                state.seq_id, prefix_tokens=state.system_tokens or None
+            )
+        except Exception as exc:
+            log.exception("session %d could not start", state.session_id)
+            self.stats.errors += 1
+            self._close(state, error=f"session could not start: {exc}")
+            return
+        head = state.pending.head()
+        if reused and isinstance(head, AppendItem):
+            head.done = reused
+            if head.remaining == 0:
+                state.pending.pop_head()
+        state.registered = True
+
+    def _close(self, state: SessionState, error: str | None = None) -> None:
+        """Free a session; its answers end as cancelled, or with `error` when it failed."""
+        state.closing = True
+        for answer in list(state.answers.values()):
+            self._end_answer(state, answer, "cancelled")
+        for item in state.pending.snapshot():
+            if isinstance(item, QuestionMarker):
+                if error is None:
+                    self._cancel_waiting(item.answer)
+                else:
+                    self._fail(item.answer, error)
+        state.pending.clear()
+        if state.seq_id in self.cache.sequences:
+            self.cache.remove_sequence(state.seq_id)
+        self._sessions.pop(state.session_id, None)
+
+    def _reap_cancelled(self) -> None:
+        for session in self._active_sessions():
+            for answer in list(session.answers.values()):
+                if answer.cancel_requested.is_set():
+                    self._end_answer(session, answer, "cancelled")
+
+    def _admit_questions(self) -> None:
+        busy = any(s.answers for s in self._active_sessions())
+        for session in self._active_sessions():
+            while isinstance(marker := session.pending.head(), QuestionMarker):
+                answer: AnswerState = marker.answer
+                if answer.cancel_requested.is_set():
+                    session.pending.pop_head()
+                    self._cancel_waiting(answer)
+                    continue
+                seq_id = next(self._ids)
+                try:
+                    self.cache.fork(session.seq_id, seq_id)
+                except CacheFullError as exc:
+                    if busy:
+                        break  # pages come back as running answers finish
+                    session.pending.pop_head()
+                    self._fail(answer, f"cannot start the answer: {exc}")
+                    continue
+                session.pending.pop_head()
+                answer.seq_id = seq_id
+                session.answers[answer.answer_id] = answer
+                busy = True
+
+    def _step(self, plan: StepPlan) -> None:
+        started = time.perf_counter()
+        try:
+            sampled = self.runner.run(plan)
+        except Exception as exc:  # a bad input must not take the engine down
+            log.exception("engine step failed")
+            self.stats.errors += 1
+            self._fail_plan(plan, f"engine step failed: {exc}")
+            return
+        now = time.monotonic()
+        for index, span in enumerate(plan.spans):
+            if span.kind == "media":
+                self._consume(span)
+                continue
+            answer = span.answer
+            if span.kind == "prompt":
+                answer.prompt_done += len(span)
+            if index in sampled:
+                self._on_token(answer, sampled[index], now)
+        self.cache.evict()
+        self._publish_prefixes()
+        self.stats.record(StepRecord(time.perf_counter() - started, plan.decode_tokens,
+                                     plan.prefill_tokens, len(plan.spans)))
+
+    def _consume(self, span) -> None:
+        session = span.session
+        for item, n in span.items:
+            item.done += n
+        while isinstance(head := session.pending.head(), AppendItem) and head.remaining == 0:
+            session.pending.pop_head()
+        session.notify_space()
+
+    def _on_token(self, answer: AnswerState, token: int, now: float) -> None:
+        if answer.metrics.first_token_at is None:
+            answer.metrics.first_token_step = self.stats.steps + 1
+        answer.metrics.on_token(now)
+        session = self._sessions.get(answer.session_id)
+        if token in answer.stop_ids:
+            self._end_answer(session, answer, "stop")
+            return
+        answer.generated.append(token)
+        delta = answer.detokenizer.push(token)
+        if delta:
+            answer.emit("delta", delta)
+        if len(answer.generated) >= answer.sampling.max_tokens:
+            self._end_answer(session, answer, "length")
+            return
+        answer.next_token = token
+
+    def _end_answer(self, session: SessionState, answer: AnswerState, reason: str) -> None:
+        tail = answer.detokenizer.flush()
+        if tail and reason != "cancelled":
+            answer.emit("delta", tail)
+        answer.metrics.finish_reason = reason
+        if answer.seq_id is not None and answer.seq_id in self.cache.sequences:
+            self.cache.remove_sequence(answer.seq_id)
+        session.answers.pop(answer.answer_id, None)
+        if reason == "cancelled":
+            self.stats.answers_cancelled += 1
+        else:
+            self.stats.answers_finished += 1
+            if answer.append_to_context and not session.closing:
+                self._remember(session, answer)
+        answer.emit("done", answer.metrics)
+
+    def _remember(self, session: SessionState, answer: AnswerState) -> None:
+        """The question and its answer join the session's context as (protected) text."""
+        ids = answer.prompt.tolist() + answer.generated + self._end_of_turn
+        protect = self.config.protect_answers
+        session.pending.put(AppendItem(TokenInfo.text(len(ids), protected=protect),
+                                       torch.tensor(ids, dtype=torch.long)))
+        budgets = [b for b in self.cache.budgets if b is not None]
+        if protect and budgets:
+            limit = int(min(budgets) * self.config.max_protected_fraction)
+            self.stats.unprotected_tokens += self.cache.limit_protected(
+                session.seq_id, max(0, limit - len(ids)), keep_first=len(session.system_tokens)
+            )
+
+    def _publish_prefixes(self) -> None:
+        for session in self._active_sessions():
+            if session.prefix_published or not session.system_tokens:
+                continue
+            seq = self.cache.sequences.get(session.seq_id)
+            if seq is not None and seq.stream_pos >= len(session.system_tokens):
+                self.cache.publish_prefix(session.seq_id, session.system_tokens)
+                session.prefix_published = True
+
+    def _cancel_waiting(self, answer: AnswerState) -> None:
+        answer.metrics.finish_reason = "cancelled"
+        self.stats.answers_cancelled += 1
+        answer.emit("done", answer.metrics)
+
+    def _fail(self, answer: AnswerState, message: str) -> None:
+        answer.metrics.finish_reason = "error"
+        self.stats.answers_failed += 1
+        answer.emit("error", message)
+
+    def _fail_plan(self, plan: StepPlan, message: str) -> None:
+        for span in plan.spans:
+            if span.answer is not None:
+                session = self._sessions.get(span.answer.session_id)
+                if span.answer.seq_id in self.cache.sequences:
+                    self.cache.remove_sequence(span.answer.seq_id)
+                if session is not None:
+                    session.answers.pop(span.answer.answer_id, None)
+                self._fail(span.answer, message)
+            else:
+                for item, _ in span.items:  # drop the media that broke the step
+                    item.done = len(item)
+                self._consume(span)
+
+    def _shutdown(self) -> None:
+        for session in list(self._sessions.values()):
+            self._close(session)
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

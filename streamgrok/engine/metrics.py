@@ -1,0 +1,81 @@
+"""Latency and throughput records for answers and for the engine."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AnswerMetrics:
+    """Timings of one answer (monotonic seconds)."""
+
+    asked_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    tokens: int = 0
+    finish_reason: str | None = None
+    asked_step: int = 0  # engine steps completed when the question was asked
+    first_token_step: int | None = None  # the step that produced the first token
+
+    def on_token(self, now: float) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.token_times.append(now)
+        self.tokens += 1
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, seconds."""
+        return None if self.first_token_at is None else self.first_token_at - self.asked_at
+
+    @property
+    def gaps(self) -> list[float]:
+        """Time between consecutive tokens, seconds."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    def as_dict(self) -> dict:
+        gaps = self.gaps
+        return {
+            "ttft_ms": None if self.ttft is None else round(self.ttft * 1e3, 2),
+            "tbt_ms_mean": round(sum(gaps) / len(gaps) * 1e3, 2) if gaps else None,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did."""
+
+    seconds: float
+    decode_tokens: int
+    prefill_tokens: int
+    sequences: int
+
+
+@dataclass
+class EngineStats:
+    """Counters and recent history of the engine (the server exports these)."""
+
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    answers_started: int = 0
+    answers_finished: int = 0
+    answers_cancelled: int = 0
+    answers_failed: int = 0
+    dropped_frames: int = 0
+    dropped_frame_tokens: int = 0
+    unprotected_tokens: int = 0
+    errors: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=1024))
+
+    def record(self, step: StepRecord) -> None:
+        self.steps += 1
+        self.decode_tokens += step.decode_tokens
+        self.prefill_tokens += step.prefill_tokens
+        self.recent.append(step)

@@ -1,0 +1,104 @@
+"""A session's bounded queue of pending appends, with a drop policy per kind of item."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from streamgrok.stream_tokens import TokenInfo
+
+
+@dataclass(eq=False)
+class AppendItem:
+    """Tokens (ids, or embedding vectors for frame tokens) waiting to be prefilled.
+
+    `droppable` items (live video frames) are dropped oldest-first when the queue is full;
+    others (text, notes, transcripts, questions' answers) are never dropped.
+    """
+
+    info: TokenInfo
+    token_ids: torch.Tensor  # [n] int64 (placeholder zeros for embedding rows)
+    embeddings: torch.Tensor | None = None  # [n, hidden] for frame tokens
+    droppable: bool = False
+    done: int = 0  # tokens of this item already prefilled
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def remaining(self) -> int:
+        return len(self) - self.done
+
+
+@dataclass(eq=False)
+class QuestionMarker:
+    """Where in the stream a question was asked; reached only after earlier items.
+    `answer` is the engine's AnswerState (typed loosely to keep this module standalone)."""
+
+    answer: object
+
+
+@dataclass
+class PendingQueue:
+    """Thread-safe: the asyncio side puts, the engine thread takes."""
+
+    frame_capacity: int
+    text_capacity_tokens: int
+    items: deque = field(default_factory=deque)
+    dropped_items: int = 0
+    dropped_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def text_room(self) -> int:
+        """Tokens of non-droppable items that can still be queued."""
+        with self._lock:
+            used = sum(i.remaining for i in self.items
+                       if isinstance(i, AppendItem) and not i.droppable)
+        return self.text_capacity_tokens - used
+
+    def put(self, item: AppendItem | QuestionMarker) -> list[AppendItem]:
+        """Queue an item; returns the frames dropped to make room (oldest first)."""
+        dropped = []
+        with self._lock:
+            self.items.append(item)
+            frames = [i for i in self.items if isinstance(i, AppendItem) and i.droppable]
+            excess = len(frames) - self.frame_capacity
+            for victim in frames:
+                if excess <= 0:
+                    break
+                if victim.done:  # partly prefilled already: finish it rather than cut it
+                    continue
+                self.items.remove(victim)
+                dropped.append(victim)
+                excess -= 1
+            self.dropped_items += len(dropped)
+            self.dropped_tokens += sum(len(d) for d in dropped)
+        return dropped
+
+    def snapshot(self) -> list[AppendItem | QuestionMarker]:
+        """The queued items, in order, as of now."""
+        with self._lock:
+            return list(self.items)
+
+    def head(self) -> AppendItem | QuestionMarker | None:
+        with self._lock:
+            return self.items[0] if self.items else None
+
+    def pop_head(self) -> None:
+        with self._lock:
+            self.items.popleft()
+
+    def pending_tokens(self) -> int:
+        with self._lock:
+            return sum(i.remaining for i in self.items if isinstance(i, AppendItem))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self.items)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.items.clear()

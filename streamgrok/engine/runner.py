@@ -1,0 +1,92 @@
+"""Turn a StepPlan into model calls: pack spans, split nano-batches, run, sample."""
+
+from __future__ import annotations
+
+import torch
+
+from streamgrok.engine.scheduler import Span, StepPlan
+from streamgrok.model.batch import AttentionBackend, BatchMetadata
+from streamgrok.model.llama import Transformer
+from streamgrok.model.sampling import sample
+from streamgrok.stream_tokens import TokenInfo
+
+
+class ModelRunner:
+    """Runs one engine step on the model and returns a sampled token per sampling span."""
+
+    def __init__(self, model: Transformer, backend: AttentionBackend, nano_batches: int = 1,
+                 length_ratio: float = 0.8) -> None:
+        self.model = model
+        self.backend = backend
+        self.nano_batches = nano_batches
+        self.length_ratio = length_ratio
+        self.device = model.device
+        self.streams = None
+        if self.device.type == "cuda" and nano_batches > 1:
+            self.streams = [torch.cuda.Stream(self.device) for _ in range(nano_batches)]
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> dict[int, int]:
+        """Execute the plan; returns {span index: sampled token} for spans that sample."""
+        groups = self.split(plan.spans)
+        parts = [self._pack([plan.spans[i] for i in group]) for group in groups]
+        if len(parts) == 1:
+            logits = [self.model(parts[0][0], parts[0][1], self.backend)]
+        else:
+            streams = self.streams[: len(parts)] if self.streams else None
+            logits = self.model.forward_nano(parts, self.backend, streams)
+        sampled: dict[int, int] = {}
+        for group, part_logits in zip(groups, logits):
+            sampling = [i for i in group if plan.spans[i].samples]
+            if not sampling:
+                continue
+            answers = [plan.spans[i].answer for i in sampling]
+            tokens = sample(part_logits, [a.sampling for a in answers],
+                            [a.generator for a in answers])
+            sampled.update(zip(sampling, tokens.tolist()))  # one host sync per nano-batch
+        return sampled
+
+    def split(self, spans: list[Span]) -> list[list[int]]:
+        """Indices of spans per nano-batch: decode spans sorted by cache length and cut where
+        lengths stop being similar (less padding), prefill spans dealt out by size."""
+        count = min(self.nano_batches, len(spans))
+        if count <= 1:
+            return [list(range(len(spans)))]
+        decode = [i for i, s in enumerate(spans) if s.is_decode]
+        prefill = [i for i, s in enumerate(spans) if not s.is_decode]
+        lengths = {i: self._cache_length(spans[i].seq_id) for i in decode}
+        decode.sort(key=lambda i: lengths[i])
+        groups: list[list[int]] = [[] for _ in range(count)]
+        per_group = -(-len(decode) // count) if decode else 0
+        g = 0
+        for i in decode:
+            group = groups[g]
+            too_different = group and lengths[group[0]] < self.length_ratio * lengths[i]
+            if group and (len(group) >= per_group or too_different) and g < count - 1:
+                g += 1
+            groups[g].append(i)
+        for i in sorted(prefill, key=lambda i: -len(spans[i])):
+            min(groups, key=lambda grp: sum(len(spans[j]) for j in grp)).append(i)
+        return [sorted(grp) for grp in groups if grp]
+
+    def _cache_length(self, seq_id: int) -> int:
+        lengths = getattr(self.backend, "layer_lengths", None)
+        return max(lengths(seq_id)) if lengths else 0
+
+    def _pack(self, spans: list[Span]) -> tuple[torch.Tensor, BatchMetadata]:
+        ids = torch.cat([s.token_ids for s in spans]).to(self.device)
+        batch = BatchMetadata.build([s.seq_id for s in spans], [len(s) for s in spans],
+                                    self.device)
+        batch.token_info = TokenInfo.concat([s.info for s in spans])
+        ends = torch.tensor([len(s) for s in spans]).cumsum(0) - 1
+        batch.logit_rows = ends[[s.samples for s in spans]].to(self.device)
+        rows, values, offset = [], [], 0
+        for span in spans:
+            for row, vectors in span.embeddings:
+                rows.append(torch.arange(offset + row, offset + row + vectors.shape[0]))
+                values.append(vectors)
+            offset += len(span)
+        if rows:
+            batch.embed_rows = torch.cat(rows).to(self.device)
+            batch.embed_values = torch.cat(values).to(self.device)
+        return ids, batch

@@ -1,0 +1,155 @@
+"""Plan one engine step: decode first, then question prompts, then media prefill.
+
+Continuous batching: every step re-plans from scratch, so new questions and appends join at the
+next step and finished answers leave at once. Fairness: prefill is shared out per session
+(round-robin start, at most an equal share each), so a session flooding frames only fills its
+own bounded queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.engine.config import EngineConfig
+from streamgrok.engine.pending import AppendItem
+from streamgrok.engine.state import AnswerState, SessionState
+from streamgrok.stream_tokens import TokenInfo
+
+
+@dataclass
+class Span:
+    """Rows of the packed batch that belong to one sequence."""
+
+    seq_id: int
+    token_ids: torch.Tensor
+    info: TokenInfo
+    embeddings: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, vectors)
+    kind: str = "media"  # "decode", "prompt" (a question's turn) or "media"
+    answer: AnswerState | None = None
+    samples: bool = False  # sample a token from this span's last row
+    items: list[tuple[AppendItem, int]] = field(default_factory=list)  # media consumed
+    session: SessionState | None = None
+
+    def __len__(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.kind == "decode"
+
+
+@dataclass
+class StepPlan:
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.spans
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(len(s) for s in self.spans if s.is_decode)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(len(s) for s in self.spans if not s.is_decode)
+
+
+class Scheduler:
+    """Chooses each step's work under the token budget and the free pages."""
+
+    def __init__(self, config: EngineConfig, cache: PagedKVCache) -> None:
+        self.config = config
+        self.cache = cache
+        self._decode_turn = 0
+        self._prefill_turn = 0
+
+    def plan(self, sessions: list[SessionState]) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.step_tokens
+        free = _PageBudget(self.cache)
+        answers = [a for s in sessions for a in s.answers.values()
+                   if not a.cancel_requested.is_set()]
+
+        decoding = [a for a in answers if a.phase == "decode" and a.next_token is not None]
+        decoding = _rotate(decoding, self._decode_turn)[: min(self.config.max_batch, budget)]
+        self._decode_turn += 1
+        for answer in decoding:
+            if free.take(answer.seq_id, 1):
+                plan.spans.append(Span(
+                    answer.seq_id, torch.tensor([answer.next_token]),
+                    TokenInfo.text(1, protected=True), kind="decode", answer=answer,
+                    samples=True,
+                ))
+                budget -= 1
+
+        prompts = [a for a in answers if a.phase == "prompt"]
+        for answer in prompts:
+            share = min(answer.prompt.numel() - answer.prompt_done, budget)
+            if share <= 0 or not free.take(answer.seq_id, share):
+                continue
+            ids = answer.prompt[answer.prompt_done : answer.prompt_done + share]
+            plan.spans.append(Span(
+                answer.seq_id, ids, TokenInfo.text(share, protected=True), kind="prompt",
+                answer=answer, samples=answer.prompt_done + share == answer.prompt.numel(),
+            ))
+            budget -= share
+
+        feeding = [s for s in sessions if s.registered and isinstance(s.pending.head(), AppendItem)]
+        feeding = _rotate(feeding, self._prefill_turn)
+        self._prefill_turn += 1
+        for i, session in enumerate(feeding):
+            if budget <= 0:
+                break
+            share = max(self.config.min_prefill_share, budget // (len(feeding) - i))
+            span = _media_span(session, min(share, budget))
+            if span is not None and free.take(session.seq_id, len(span)):
+                plan.spans.append(span)
+                budget -= len(span)
+        return plan
+
+
+class _PageBudget:
+    """Free pages left for this step as spans are added."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self.free = cache.pool.free_pages
+
+    def take(self, seq_id: int, tokens: int) -> bool:
+        needed = self.cache.pages_needed({seq_id: tokens})
+        if needed > self.free:
+            return False
+        self.free -= needed
+        return True
+
+
+def _rotate(items: list, turn: int) -> list:
+    if not items:
+        return items
+    k = turn % len(items)
+    return items[k:] + items[:k]
+
+
+def _media_span(session: SessionState, share: int) -> Span | None:
+    """Take up to `share` tokens from the head items of a session's pending queue."""
+    ids, infos, embeddings, consumed = [], [], [], []
+    taken = 0
+    for item in session.pending.snapshot():
+        if not isinstance(item, AppendItem) or taken >= share:
+            break
+        n = min(item.remaining, share - taken)
+        start = item.done
+        ids.append(item.token_ids[start : start + n])
+        infos.append(item.info.slice(start, start + n))
+        if item.embeddings is not None:
+            embeddings.append((taken, item.embeddings[start : start + n]))
+        consumed.append((item, n))
+        taken += n
+    if not taken:
+        return None
+    return Span(session.seq_id, torch.cat(ids), TokenInfo.concat(infos), embeddings,
+                items=consumed, session=session)

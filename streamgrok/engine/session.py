@@ -1,0 +1,172 @@
+"""The asyncio side of the engine: sessions you append to and ask, answers you iterate."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, AsyncIterator
+
+import torch
+
+from streamgrok.engine.metrics import AnswerMetrics
+from streamgrok.engine.pending import AppendItem
+from streamgrok.engine.state import AnswerState, SessionState
+from streamgrok.errors import StreamgrokError
+from streamgrok.model.sampling import SamplingParams
+from streamgrok.stream_tokens import Modality, TokenInfo
+
+if TYPE_CHECKING:
+    from streamgrok.engine.engine import Engine
+
+
+class Answer:
+    """A streamed answer: `async for delta in answer` yields text; `cancel()` stops it."""
+
+    def __init__(self, state: AnswerState, queue: asyncio.Queue, engine: "Engine") -> None:
+        self._state = state
+        self._queue = queue
+        self._engine = engine
+        self.error: str | None = None
+        self.finished = False
+
+    @property
+    def id(self) -> int:
+        return self._state.answer_id
+
+    @property
+    def metrics(self) -> AnswerMetrics:
+        return self._state.metrics
+
+    def cancel(self) -> None:
+        """Stop generating at the next step; the iterator then ends."""
+        self._state.cancel_requested.set()
+        self._engine.wake()
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[str]:
+        while not self.finished:
+            kind, payload = await self._queue.get()
+            if kind == "delta":
+                yield payload
+            elif kind == "error":
+                self.error = str(payload)
+                self.finished = True
+                raise StreamgrokError(self.error)
+            else:
+                self.finished = True
+
+    async def text(self) -> str:
+        """The whole answer."""
+        return "".join([d async for d in self])
+
+
+class Session:
+    """A long-lived streaming context on an Engine."""
+
+    def __init__(self, engine: "Engine", state: SessionState, space: asyncio.Event) -> None:
+        self._engine = engine
+        self._state = state
+        self._space = space
+        self.closed = False
+
+    @property
+    def id(self) -> int:
+        return self._state.session_id
+
+    @property
+    def dropped_frames(self) -> int:
+        return self._state.pending.dropped_items
+
+    def pending_tokens(self) -> int:
+        return self._state.pending.pending_tokens()
+
+    async def append_text(
+        self,
+        text: str,
+        modality: Modality = Modality.TEXT,
+        timestamp: float = 0.0,
+        source: int = -1,
+        protected: bool = False,
+    ) -> None:
+        """Queue text (notes, transcripts, messages); waits while the text queue is full."""
+        ids = self._engine.tokenizer.encode(text)
+        info = TokenInfo.uniform(len(ids), modality, timestamp, source, protected)
+        await self.append_tokens(torch.tensor(ids, dtype=torch.long), info)
+
+    async def append_message(
+        self,
+        content: str,
+        role: str = "user",
+        modality: Modality = Modality.NOTE,
+        timestamp: float = 0.0,
+        source: int = -1,
+        protected: bool = False,
+    ) -> None:
+        """Queue text as one chat turn in the model's own template (how observations and
+        transcripts should enter a chat model's context)."""
+        turn = self._engine.render_turn(self._state, role, content, generation_prompt=False)
+        await self.append_text(turn, modality, timestamp, source, protected)
+
+    async def append_tokens(self, token_ids: torch.Tensor, info: TokenInfo) -> None:
+        """Queue token ids (never dropped); waits while the text queue is full."""
+        self._check_open()
+        n = token_ids.numel()
+        pending = self._state.pending
+        while pending.text_room() < n and pending.pending_tokens() > 0:
+            self._space.clear()
+            if pending.text_room() >= n:
+                break
+            await self._space.wait()
+        pending.put(AppendItem(info, token_ids.long()))
+        self._engine.wake()
+
+    def append_embeddings(
+        self,
+        vectors: torch.Tensor,
+        timestamp: float,
+        source: int,
+        modality: Modality = Modality.FRAME,
+        droppable: bool = True,
+    ) -> int:
+        """Queue embedding vectors [k, hidden] (frame tokens). Live frames are droppable:
+        when the session's frame queue is full the oldest waiting frame is dropped.
+        Returns how many frames were dropped to make room."""
+        self._check_open()
+        hidden = self._engine.model_config.hidden_size
+        if vectors.ndim != 2 or vectors.shape[1] != hidden:
+            raise ValueError(f"frame tokens must be [k, {hidden}], got {tuple(vectors.shape)}")
+        k = vectors.shape[0]
+        info = TokenInfo.uniform(k, modality, timestamp, source, False)
+        item = AppendItem(info, torch.zeros(k, dtype=torch.long), vectors.detach().cpu(),
+                          droppable)
+        dropped = self._state.pending.put(item)
+        self._engine.record_drops(dropped)
+        self._engine.wake()
+        return len(dropped)
+
+    def ask(
+        self,
+        question: str,
+        sampling: SamplingParams | None = None,
+        raw: bool = False,
+        remember: bool = True,
+    ) -> Answer:
+        """Ask about everything appended so far; the answer streams as it is generated.
+
+        With `raw` the question is used as a plain completion prompt (no chat turn). With
+        `remember`, the question and answer join the session's context when done.
+        """
+        self._check_open()
+        return self._engine.submit_question(self._state, question, sampling, raw, remember)
+
+    async def close(self) -> None:
+        """Cancel answers and free every page of the session."""
+        if not self.closed:
+            self.closed = True
+            await self._engine.close_session(self._state)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StreamgrokError(f"session {self.id} is closed")
+

@@ -1,0 +1,59 @@
+"""Engine-thread state of sessions and answers (only the engine thread mutates it)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from streamgrok.engine.metrics import AnswerMetrics
+from streamgrok.engine.pending import PendingQueue
+from streamgrok.model.detokenizer import IncrementalDetokenizer
+from streamgrok.model.sampling import SamplingParams
+
+# An event sent to an answer's consumer: ("delta", text) | ("done", metrics) | ("error", text)
+Emit = Callable[[str, object], None]
+
+
+@dataclass
+class AnswerState:
+    """One question being answered on its own fork of the session's sequence."""
+
+    answer_id: int
+    session_id: int
+    prompt: torch.Tensor  # the question turn's token ids
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    stop_ids: frozenset[int]
+    emit: Emit
+    append_to_context: bool = True
+    seq_id: int | None = None  # the fork, once the question is reached in the stream
+    prompt_done: int = 0
+    generated: list[int] = field(default_factory=list)
+    next_token: int | None = None
+    metrics: AnswerMetrics = field(default_factory=AnswerMetrics)
+    cancel_requested: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def phase(self) -> str:
+        if self.seq_id is None:
+            return "waiting"
+        return "prompt" if self.prompt_done < self.prompt.numel() else "decode"
+
+
+@dataclass
+class SessionState:
+    """A long-lived streaming context: its main sequence and pending appends."""
+
+    session_id: int
+    seq_id: int
+    pending: PendingQueue
+    system_tokens: list[int]
+    notify_space: Callable[[], None]
+    answers: dict[int, AnswerState] = field(default_factory=dict)
+    registered: bool = False
+    prefix_published: bool = False
+    closing: bool = False

@@ -1,0 +1,156 @@
+"""The async engine on a tiny random model: batching, fairness, cancel, memory pressure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from helpers import random_model, tiny_config, write_gguf
+
+from streamgrok.cache.config import CacheConfig
+from streamgrok.engine import Engine, EngineConfig
+from streamgrok.errors import StreamgrokError
+from streamgrok.model.loader import load_model
+from streamgrok.model.sampling import SamplingParams
+from streamgrok.stream_tokens import Modality
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
+
+
+GREEDY = SamplingParams(max_tokens=12)
+CACHE = CacheConfig(policy="h2o", budget_tokens=96, memory_gib=0.01)
+
+
+async def answer_alone(loaded, notes, question, config=None):
+    async with Engine(loaded, CACHE, config or EngineConfig(merge_window_s=0)) as engine:
+        session = engine.new_session("sys")
+        for note in notes:
+            await session.append_message(note)
+        return await session.ask(question, GREEDY).text()
+
+
+async def test_concurrent_sessions_equal_sessions_alone(tiny_loaded):
+    work = [([f"note {i} " * (i + 1)], f"question {i}?") for i in range(6)]
+    alone = [await answer_alone(tiny_loaded, n, q) for n, q in work]
+    async with Engine(tiny_loaded, CACHE, EngineConfig(merge_window_s=0.01)) as engine:
+        sessions = [engine.new_session("sys") for _ in work]
+        for session, (notes, _) in zip(sessions, work):
+            for note in notes:
+                await session.append_message(note)
+        answers = [s.ask(q, GREEDY) for s, (_, q) in zip(sessions, work)]
+        together = await asyncio.gather(*(a.text() for a in answers))
+        assert max(r.sequences for r in engine.stats.recent) > 1  # really batched
+    assert together == alone
+
+
+@pytest.mark.parametrize("nano", [2, 4])
+async def test_nano_batches_give_identical_outputs(tiny_loaded, nano):
+    async def run(n):
+        config = EngineConfig(merge_window_s=0.01, nano_batches=n)
+        async with Engine(tiny_loaded, CACHE, config) as engine:
+            sessions = [engine.new_session("sys") for _ in range(5)]
+            for i, s in enumerate(sessions):
+                await s.append_message("x " * (3 + 7 * i))
+            return await asyncio.gather(*(s.ask(f"q{i}", GREEDY).text()
+                                          for i, s in enumerate(sessions)))
+    assert await run(nano) == await run(1)
+
+
+async def test_frames_stream_in_while_answering(tiny_loaded):
+    hidden = tiny_loaded.config.hidden_size
+    async with Engine(tiny_loaded, CACHE, EngineConfig(merge_window_s=0)) as engine:
+        session = engine.new_session("sys")
+        answer = session.ask("describe", SamplingParams(max_tokens=30))
+        deltas = []
+        frame = 0
+        async for delta in answer:
+            deltas.append(delta)
+            session.append_embeddings(torch.randn(4, hidden), timestamp=frame / 2, source=frame)
+            frame += 1
+        assert answer.metrics.finish_reason in ("stop", "length")
+        await asyncio.sleep(0.2)
+        seq = engine.cache.sequences[session._state.seq_id]
+        modalities = seq.layers[0].column(2).long()
+        assert (modalities == int(Modality.FRAME)).sum() > 0  # frames went in meanwhile
+        await session.close()
+
+
+async def test_cancel_and_close_free_every_page(tiny_loaded):
+    async with Engine(tiny_loaded, CACHE, EngineConfig(merge_window_s=0)) as engine:
+        total = engine.cache.pool.num_pages
+        session = engine.new_session("sys")
+        await session.append_message("hello " * 40)
+        answer = session.ask("go on", SamplingParams(max_tokens=200, temperature=1.0, seed=1,
+                                                     stop_token_ids=frozenset()))
+        got = 0
+        async for _ in answer:
+            got += 1
+            if got == 3:
+                answer.cancel()
+        assert answer.metrics.finish_reason == "cancelled"
+        other = session.ask("and now?", SamplingParams(max_tokens=4))
+        await session.close()
+        async for _ in other:
+            pass
+        assert other.metrics.finish_reason == "cancelled"
+        await asyncio.sleep(0.05)
+        assert engine.cache.pool.free_pages == total and not engine.cache.sequences
+
+
+async def test_flooding_session_cannot_delay_another_first_token(tiny_loaded):
+    hidden = tiny_loaded.config.hidden_size
+    config = EngineConfig(merge_window_s=0, step_tokens=64, frame_queue=16)
+    async with Engine(tiny_loaded, CACHE, config) as engine:
+        flood = engine.new_session("sys")
+        calm = engine.new_session("sys")
+        for i in range(300):
+            flood.append_embeddings(torch.randn(8, hidden), timestamp=i, source=i)
+        await asyncio.sleep(0.05)
+        answer = calm.ask("quick?", SamplingParams(max_tokens=2))
+        for i in range(300, 400):  # the flood goes on while the other session waits
+            flood.append_embeddings(torch.randn(8, hidden), timestamp=i, source=i)
+            await asyncio.sleep(0)
+        await answer.text()
+        waited = answer.metrics.first_token_step - answer.metrics.asked_step
+        assert waited <= 4  # system prompt + question turn share the step budget fairly
+        assert flood.dropped_frames > 0 and engine.stats.dropped_frames == flood.dropped_frames
+
+
+async def test_full_policy_out_of_pages_waits_and_others_continue(tiny_loaded):
+    cache = CacheConfig(policy="full", budget_tokens=None, memory_gib=None)
+    pages_bytes = cache.page_bytes(tiny_loaded.config)
+    cache = CacheConfig(policy="full", budget_tokens=None,
+                        memory_gib=40 * pages_bytes / 2**30)  # 40 pages = 20 per layer
+    async with Engine(tiny_loaded, cache, EngineConfig(merge_window_s=0)) as engine:
+        calm = engine.new_session()
+        await calm.append_message("hi")
+        await asyncio.sleep(0.05)
+        hog = engine.new_session()
+        await hog.append_text("a " * 600)  # more than the pool can ever hold
+        await asyncio.sleep(0.2)
+        assert hog.pending_tokens() > 0  # waiting, not crashed, not corrupted
+        answer = calm.ask("still there?", SamplingParams(max_tokens=3))
+        assert len(await answer.text()) >= 0 and answer.metrics.finish_reason in ("stop",
+                                                                                  "length")
+        assert engine.stats.errors == 0
+
+
+async def test_closed_session_refuses_work(tiny_loaded):
+    async with Engine(tiny_loaded, CACHE) as engine:
+        session = engine.new_session()
+        await session.close()
+        with pytest.raises(StreamgrokError, match="closed"):
+            session.ask("hello?")
+
+
+async def test_one_shot_generate(tiny_loaded):
+    async with Engine(tiny_loaded, CACHE) as engine:
+        text = "".join([d async for d in engine.generate("hi", SamplingParams(max_tokens=5))])
+        assert isinstance(text, str)
+        await asyncio.sleep(0.05)
+        assert not engine.cache.sequences
