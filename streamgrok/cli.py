@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--out", default="bench-results", help="folder for plots")
     _add_model_options(kv)
     kv.set_defaults(dtype="bfloat16")
+    serve = benches.add_parser("serve", help="concurrent live sessions vs one at a time")
+    serve.add_argument("--sessions", default="1,8,32")
+    serve.add_argument("--max-tokens", type=int, default=24)
+    serve.add_argument("--baseline-sessions", type=int, default=4)
+    serve.add_argument("--nano-batches", type=int, default=1)
+    _add_model_options(serve)
     return parser
 
 
@@ -165,6 +171,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 out_dir=Path(args.out),
             ),
         )
+        return 0
+    if args.bench == "serve":
+        from streamgrok.bench.serve import run_serve_bench
+
+        run_serve_bench(_load(args), [int(x) for x in args.sessions.split(",")],
+                        args.max_tokens, args.baseline_sessions, args.nano_batches)
         return 0
     raise AssertionError(args.bench)
 

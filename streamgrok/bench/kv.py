@@ -194,7 +194,7 @@ def perplexity(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     ids = ids[: options.ppl_tokens + 1]
     window = 4096
     trained = loaded.config.max_positions
-    configs = [("full", None), ("sink_window", options.budget), ("h2o", options.budget)]
+    configs = [("full", None)] + [(p, options.budget) for p in options.policies]
     table: dict[str, list[float]] = {}
     for policy, budget in configs:
         cache = _cache(loaded, policy, budget, memory_gib=2.0)

@@ -30,7 +30,7 @@ class CacheConfig:
     kv_dtype: str = "float32"
     memory_gib: float | None = 1.0
     gpu_memory_fraction: float = 0.8
-    policy: str = "sink_window"
+    policy: str = "redundancy"  # chosen from `streamgrok bench kv` (README, Benchmarks)
     budget_tokens: int | None = 2048
     layer_budgets: str = "uniform"  # "uniform" or "pyramid"
     pyramid_full_layers: int = 8

@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -62,7 +62,7 @@ class Engine:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    async def __aenter__(self) -> "Engine":
+    async def __aenter__(self) -> Engine:
         self.start()
         return self
 

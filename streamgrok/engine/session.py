@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 class Answer:
     """A streamed answer: `async for delta in answer` yields text; `cancel()` stops it."""
 
-    def __init__(self, state: AnswerState, queue: asyncio.Queue, engine: "Engine") -> None:
+    def __init__(self, state: AnswerState, queue: asyncio.Queue, engine: Engine) -> None:
         self._state = state
         self._queue = queue
         self._engine = engine
@@ -64,7 +65,7 @@ class Answer:
 class Session:
     """A long-lived streaming context on an Engine."""
 
-    def __init__(self, engine: "Engine", state: SessionState, space: asyncio.Event) -> None:
+    def __init__(self, engine: Engine, state: SessionState, space: asyncio.Event) -> None:
         self._engine = engine
         self._state = state
         self._space = space

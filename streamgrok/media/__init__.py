@@ -1,0 +1,1 @@
+"""Media ingest: decode, sample and de-duplicate frames, encode them, observe, interleave."""

@@ -1,0 +1,137 @@
+"""Decoding with PyAV (containers, pushed fragments) and OpenCV (single JPEG/PNG frames).
+
+All PyAV work runs on worker threads (the callers' job: see sources.py); nothing here touches
+the event loop.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Iterator
+from typing import BinaryIO
+
+import av
+import cv2
+import numpy as np
+
+from streamgrok.media.items import AudioChunk, MediaError, VideoFrame
+
+AUDIO_RATE = 16_000
+
+
+def decode_container(
+    source: str | BinaryIO,
+    video: bool = True,
+    audio: bool = True,
+    container_format: str | None = None,
+) -> Iterator[VideoFrame | AudioChunk | MediaError]:
+    """Decode every frame of a file, URL or byte stream in presentation order per stream.
+
+    Audio is resampled to 16 kHz mono float. Undecodable packets become MediaError items and
+    decoding continues with the next packet.
+    """
+    try:
+        container = av.open(source, format=container_format, timeout=10.0)
+    except (av.error.FFmpegError, OSError) as exc:
+        yield MediaError(f"cannot open media: {exc}", stage="decode")
+        return
+    with container:
+        streams = []
+        if video and container.streams.video:
+            streams.append(container.streams.video[0])
+        if audio and container.streams.audio:
+            streams.append(container.streams.audio[0])
+        if not streams:
+            yield MediaError("the media holds no video or audio stream", stage="decode")
+            return
+        resampler = av.AudioResampler(format="flt", layout="mono", rate=AUDIO_RATE)
+        index = 0
+        try:
+            packets = container.demux(*streams)
+            for packet in packets:
+                try:
+                    decoded = packet.decode()
+                except av.error.FFmpegError as exc:
+                    yield MediaError(f"undecodable {packet.stream.type} packet: {exc}",
+                                     pts=_seconds(packet.pts, packet.time_base), stage="decode")
+                    continue
+                for frame in decoded:
+                    if isinstance(frame, av.VideoFrame):
+                        pts = _seconds(frame.pts, frame.time_base) or 0.0
+                        yield VideoFrame(frame.to_ndarray(format="rgb24"), pts, index)
+                        index += 1
+                    else:
+                        yield from _resample(resampler, frame)
+        except av.error.FFmpegError as exc:
+            yield MediaError(f"media stream ended with an error: {exc}", stage="decode")
+        yield from _resample(resampler, None)
+
+
+def _resample(resampler: av.AudioResampler, frame) -> Iterator[AudioChunk]:
+    for out in resampler.resample(frame):
+        samples = out.to_ndarray().reshape(-1).astype(np.float32)
+        pts = _seconds(out.pts, out.time_base) or 0.0
+        if samples.size:
+            yield AudioChunk(samples, pts, AUDIO_RATE)
+
+
+def _seconds(pts: int | None, time_base) -> float | None:
+    return None if pts is None or time_base is None else float(pts * time_base)
+
+
+def decode_image(data: bytes, pts: float, index: int) -> VideoFrame:
+    """One JPEG/PNG frame; raises ValueError naming the problem if it is not an image."""
+    array = np.frombuffer(data, dtype=np.uint8)
+    image = cv2.imdecode(array, cv2.IMREAD_COLOR) if array.size else None
+    if image is None:
+        raise ValueError(f"not a decodable JPEG/PNG image ({len(data)} bytes)")
+    return VideoFrame(cv2.cvtColor(image, cv2.COLOR_BGR2RGB), pts, index)
+
+
+def pcm16_chunk(data: bytes, pts: float, rate: int = AUDIO_RATE) -> AudioChunk:
+    """Raw little-endian PCM16 mono at 16 kHz; raises ValueError for a wrong format."""
+    if rate != AUDIO_RATE:
+        raise ValueError(f"audio must be PCM16 mono at {AUDIO_RATE} Hz, got {rate} Hz")
+    if len(data) % 2:
+        raise ValueError(f"PCM16 audio needs an even number of bytes, got {len(data)}")
+    samples = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+    return AudioChunk(samples, pts, rate)
+
+
+class ByteFeed(io.RawIOBase):
+    """A blocking byte stream: one thread feeds chunks (e.g. MediaRecorder/ffmpeg fragments),
+    PyAV reads them on another. `close_feed()` marks the end."""
+
+    def __init__(self, max_buffered: int = 64 * 2**20) -> None:
+        self._buffer = bytearray()
+        self._cond = threading.Condition()
+        self._ended = False
+        self.max_buffered = max_buffered
+
+    def readable(self) -> bool:
+        return True
+
+    def feed(self, chunk: bytes) -> None:
+        """Add bytes; raises ValueError when the unread backlog would exceed the bound."""
+        with self._cond:
+            if self._ended:
+                raise ValueError("the byte stream is already closed")
+            if len(self._buffer) + len(chunk) > self.max_buffered:
+                raise ValueError(f"media backlog over {self.max_buffered} bytes")
+            self._buffer.extend(chunk)
+            self._cond.notify_all()
+
+    def close_feed(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def readinto(self, target) -> int:
+        with self._cond:
+            while not self._buffer and not self._ended:
+                self._cond.wait()
+            n = min(len(target), len(self._buffer))
+            target[:n] = self._buffer[:n]
+            del self._buffer[:n]
+            return n

@@ -1,0 +1,72 @@
+"""What flows between media stages: frames, audio chunks, notes, frame tokens, errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from streamgrok.stream_tokens import Modality
+
+
+@dataclass(eq=False)
+class VideoFrame:
+    """An RGB frame [H, W, 3] uint8 at presentation time `pts` seconds."""
+
+    image: np.ndarray
+    pts: float
+    index: int
+    scene_cut: bool = False
+
+
+@dataclass(eq=False)
+class AudioChunk:
+    """Mono float32 samples at `rate` Hz starting at `pts` seconds."""
+
+    samples: np.ndarray
+    pts: float
+    rate: int = 16_000
+
+    @property
+    def duration(self) -> float:
+        return self.samples.shape[0] / self.rate
+
+
+@dataclass(eq=False)
+class Note:
+    """Timestamped text about the stream (observer notes, transcripts)."""
+
+    text: str
+    pts: float
+    modality: Modality = Modality.NOTE
+    source: int = -1
+    tags: set[str] = field(default_factory=set)
+
+    def stamped(self) -> str:
+        """The text with its time as [mm:ss]."""
+        return f"[{format_time(self.pts)}] {self.text}"
+
+
+@dataclass(eq=False)
+class FrameTokens:
+    """Vectors in the language model's hidden size standing for one frame."""
+
+    vectors: torch.Tensor  # [k, hidden]
+    pts: float
+    index: int
+    embedding: torch.Tensor | None = None  # the CLIP embedding [512] it came from
+
+
+@dataclass(eq=False)
+class MediaError:
+    """A decode or processing failure; the stream goes on with the next decodable data."""
+
+    message: str
+    pts: float | None = None
+    stage: str = ""
+
+
+def format_time(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes:02d}:{secs:02d}"

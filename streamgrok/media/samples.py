@@ -1,0 +1,167 @@
+"""Generate test and demo clips with PyAV: scenes from real photos shipped in scikit-image,
+moving shapes, and spoken audio from espeak-ng when it is installed (a tone otherwise).
+
+`python -m streamgrok.media.samples OUT.mp4` writes the demo clip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import tempfile
+import wave
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import cv2
+import numpy as np
+
+FORMATS = {  # suffix -> (video codec, audio codec)
+    ".mp4": ("libx264", "aac"),
+    ".webm": ("libvpx-vp9", "libopus"),
+    ".mkv": ("libx264", "aac"),
+}
+
+
+@dataclass
+class Scene:
+    """`seconds` of one photo (or a blank background), optionally with a moving square."""
+
+    photo: str | None
+    seconds: float
+    moving_square: bool = False
+    speech: str | None = None
+
+
+DEMO_SCENES = [
+    Scene("astronaut", 4.0, speech="Hello. This is a live video test."),
+    Scene("coffee", 3.0),
+    Scene(None, 3.0, moving_square=True),
+    Scene("chelsea", 4.0, speech="A cat is resting on the table."),
+]
+
+
+def photo(name: str | None, width: int, height: int) -> np.ndarray:
+    """A scikit-image sample photo resized to the frame (grey background for None)."""
+    if name is None:
+        return np.full((height, width, 3), 90, dtype=np.uint8)
+    import skimage.data
+
+    image = getattr(skimage.data, name)()
+    if image.ndim == 2:
+        image = np.stack([image] * 3, axis=-1)
+    return cv2.resize(image[..., :3], (width, height), interpolation=cv2.INTER_AREA)
+
+
+def speak(text: str, rate: int = 16_000) -> np.ndarray | None:
+    """Mono float32 speech from espeak-ng, or None when espeak-ng is not installed."""
+    binary = shutil.which("espeak-ng")
+    if binary is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "speech.wav"
+        subprocess.run([binary, "-s", "150", "-w", str(path), text], check=True,
+                       capture_output=True)
+        with wave.open(str(path)) as wav:
+            pcm = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
+            source_rate = wav.getframerate()
+    samples = pcm.astype(np.float32) / 32768.0
+    positions = np.arange(0, len(samples), source_rate / rate)
+    return np.interp(positions, np.arange(len(samples)), samples).astype(np.float32)
+
+
+def scene_audio(scene: Scene, rate: int) -> np.ndarray:
+    total = int(scene.seconds * rate)
+    audio = np.zeros(total, dtype=np.float32)
+    if scene.speech:
+        voice = speak(scene.speech, rate)
+        if voice is None:  # a 440 Hz tone stands in for speech
+            t = np.arange(int(1.5 * rate)) / rate
+            voice = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+        start = int(0.3 * rate)
+        voice = voice[: total - start]
+        audio[start : start + len(voice)] = voice
+    return audio
+
+
+def write_clip(
+    path: str | Path,
+    scenes: list[Scene] | None = None,
+    width: int = 320,
+    height: int = 240,
+    fps: int = 10,
+    audio_rate: int = 16_000,
+    with_audio: bool = True,
+) -> Path:
+    """Write an H.264/AAC .mp4, VP9/Opus .webm or H.264/AAC .mkv clip; returns its path."""
+    path = Path(path)
+    scenes = scenes or DEMO_SCENES
+    video_codec, audio_codec = FORMATS[path.suffix]
+    options = {"movflags": "frag_keyframe+empty_moov"} if path.suffix == ".mp4" else {}
+    with av.open(str(path), "w", options=options) as container:
+        vstream = container.add_stream(video_codec, rate=fps)
+        vstream.width, vstream.height, vstream.pix_fmt = width, height, "yuv420p"
+        vstream.options = {"crf": "32"} if video_codec == "libx264" else {"crf": "40", "b": "0"}
+        astream = None
+        if with_audio:
+            out_rate = 48_000 if audio_codec == "libopus" else audio_rate
+            astream = container.add_stream(audio_codec, rate=out_rate, layout="mono")
+        index = 0
+        audio = []
+        for scene in scenes:
+            base = photo(scene.photo, width, height)
+            for i in range(int(scene.seconds * fps)):
+                frame = base.copy()
+                if scene.moving_square:
+                    x = int((width - 40) * i / max(1, scene.seconds * fps - 1))
+                    frame[100:140, x : x + 40] = (220, 40, 40)
+                video_frame = av.VideoFrame.from_ndarray(frame, format="rgb24")
+                video_frame.pts = index
+                video_frame.time_base = Fraction(1, fps)
+                for packet in vstream.encode(video_frame):
+                    container.mux(packet)
+                index += 1
+            if astream is not None:
+                audio.append(scene_audio(scene, audio_rate))
+        for packet in vstream.encode(None):
+            container.mux(packet)
+        if astream is not None:
+            _encode_audio(container, astream, np.concatenate(audio), audio_rate)
+    return path
+
+
+def _encode_audio(container, stream, samples: np.ndarray, rate: int) -> None:
+    resampler = av.AudioResampler(format=stream.format.name, layout="mono", rate=stream.rate)
+    chunk = 1024
+    for start in range(0, len(samples), chunk):
+        block = samples[start : start + chunk].reshape(1, -1)
+        frame = av.AudioFrame.from_ndarray(block, format="flt", layout="mono")
+        frame.sample_rate = rate
+        frame.pts = start
+        frame.time_base = Fraction(1, rate)
+        for out in resampler.resample(frame):
+            for packet in stream.encode(out):
+                container.mux(packet)
+    for out in resampler.resample(None):
+        for packet in stream.encode(out):
+            container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out", help="output .mp4, .webm or .mkv")
+    parser.add_argument("--width", type=int, default=320)
+    parser.add_argument("--height", type=int, default=240)
+    parser.add_argument("--fps", type=int, default=10)
+    args = parser.parse_args()
+    path = write_clip(args.out, width=args.width, height=args.height, fps=args.fps)
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Pipeline building blocks: bounded channels with explicit drop policies."""
