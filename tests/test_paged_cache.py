@@ -309,3 +309,26 @@ def test_prefix_entry_dies_with_its_pages():
     cache.remove_sequence(0)
     assert cache.add_sequence(1, prefix_tokens=prompt) == 0  # freed pages are not reused
     check_pool(cache)
+
+
+@pytest.mark.parametrize("policy", ["redundancy", "h2o"])
+def test_several_chunks_in_one_step_match_separate_steps(policy):
+    model = random_model(CFG)
+    config = CacheConfig(policy=policy, budget_tokens=256)
+    together, apart = (PagedKVCache(CFG, config, num_pages=128) for _ in range(2))
+    for cache in (together, apart):
+        for seq, n in enumerate((5, 30, 12)):
+            cache.add_sequence(seq)
+            model(torch.arange(n), BatchMetadata.build([seq], [n]), cache)
+    lens = [7, 2, 19]
+    ids = torch.randint(0, CFG.vocab_size, (sum(lens),))
+    batch = BatchMetadata.build([0, 1, 2], lens)
+    batch.logit_rows = None
+    got = model(ids, batch, together)
+    want, start = [], 0
+    for seq, n in enumerate(lens):
+        single = BatchMetadata.build([seq], [n])
+        single.logit_rows = None
+        want.append(model(ids[start : start + n], single, apart))
+        start += n
+    torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)

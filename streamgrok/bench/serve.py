@@ -148,6 +148,6 @@ def run_serve_bench(loaded: LoadedModel, counts: list[int], max_tokens: int = 24
     print(f"model {loaded.source.name}  dtype {str(loaded.model.dtype).removeprefix('torch.')}  "
           f"threads {torch.get_num_threads()}  answer tokens {max_tokens}  "
           f"nano-batches {nano_batches}")
-    cache = CacheConfig(policy="h2o", budget_tokens=1024, memory_gib=2.0)
+    cache = CacheConfig(budget_tokens=1024, memory_gib=2.0)
     config = EngineConfig(nano_batches=nano_batches)
     return asyncio.run(_bench(loaded, counts, max_tokens, baseline_cap, cache, config))

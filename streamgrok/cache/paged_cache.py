@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from streamgrok.cache.attention import chunk_attention, decode_attention
 from streamgrok.cache.config import CacheConfig
@@ -256,19 +257,50 @@ class PagedKVCache:
         if decode:
             self._attend_decode(q, out, [spans[i] for i in decode],
                                 [records[i] for i in decode], [starts[i] for i in decode])
-        for (_, row, n), rec, start in zip(spans, records, starts):
-            if n > 1:
-                self._attend_chunk(q, out, row, n, rec, start)
+        chunks = [i for i, (_, _, n) in enumerate(spans) if n > 1]
+        if len(chunks) > 1 and not self.scorer.accumulates_attention:
+            self._attend_chunks_batched(q, out, [spans[i] for i in chunks],
+                                        [records[i] for i in chunks], [starts[i] for i in chunks])
+        else:
+            for i in chunks:
+                _, row, n = spans[i]
+                self._attend_chunk(q, out, row, n, records[i], starts[i])
         return out
+
+    def _attend_chunks_batched(self, q, out, spans, records, starts) -> None:
+        """Several prefill chunks in one padded attention call (no attention mass needed)."""
+        counts = [n for _, _, n in spans]
+        totals = [s + n for s, n in zip(starts, counts)]
+        most_q, most_k = max(counts), max(totals)
+        device = self.device
+        slot_matrix = pad_sequence([rec.slots(0, t) for rec, t in zip(records, totals)],
+                                   batch_first=True)
+        k, v = self.pool.read(slot_matrix.to(device))  # [b, most_k, kvh, d]
+        cos, sin = self.rotary.cos_sin(torch.arange(most_k, device=device))
+        k = apply_rotary(k, cos, sin)
+        offsets = torch.arange(most_q, device=device)
+        rows = torch.stack([torch.clamp(offsets, max=n - 1) + row
+                            for (_, row, n) in spans])  # [b, most_q] (padding repeats)
+        positions = torch.tensor(starts, device=device)[:, None] + offsets[None, :]
+        q_rot = self.rotary.rotate(q[rows.flatten()], positions.flatten()).view(
+            len(spans), most_q, q.shape[1], q.shape[2])
+        keys = torch.arange(most_k, device=device)
+        allowed = keys[None, None, :] <= positions[:, :, None]  # causal, cache-relative
+        allowed &= keys[None, None, :] < torch.tensor(totals, device=device)[:, None, None]
+        result = torch.nn.functional.scaled_dot_product_attention(
+            q_rot.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=allowed[:, None], enable_gqa=True,
+        ).transpose(1, 2)  # [b, most_q, heads, d]
+        for i, (_, row, n) in enumerate(spans):
+            out[row : row + n] = result[i, :n].to(out.dtype)
 
     def _attend_decode(self, q, out, spans, records, starts) -> None:
         lengths = torch.tensor([s + 1 for s in starts], device=self.device)
         longest = int(lengths.max())
-        slot_rows = []
-        for rec, length in zip(records, lengths.tolist()):
-            slots = rec.slots(0, length)
-            slot_rows.append(torch.cat([slots, slots[:1].expand(longest - length)]))
-        k, v = self.pool.read(torch.stack(slot_rows).to(self.device))  # [b, n, kvh, d]
+        slot_matrix = pad_sequence(  # padding reads slot 0; the mask hides it
+            [rec.slots(0, s + 1) for rec, s in zip(records, starts)], batch_first=True
+        )
+        k, v = self.pool.read(slot_matrix.to(self.device))  # [b, n, kvh, d]
         cos, sin = self.rotary.cos_sin(torch.arange(longest, device=self.device))
         k = apply_rotary(k, cos, sin)
         rows = torch.tensor([row for _, row, _ in spans], device=self.device)

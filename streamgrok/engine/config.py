@@ -13,6 +13,9 @@ class EngineConfig:
     merge_window_s: after idling, wait this long for more work before the first step.
     length_ratio: decode sequences are grouped into nano-batches of similar cache length
     (shortest/longest >= ratio) to cut padding. nano_batches: split each step this many ways.
+    media_batch_tokens / media_wait_s: a session's pending media is prefilled once that many
+    tokens wait, the oldest has waited that long, or a question is queued behind it (fewer,
+    larger prefill spans per step).
     frame_queue / text_queue_tokens: per-session pending bounds (frames drop oldest; text waits).
     """
 
@@ -22,6 +25,8 @@ class EngineConfig:
     merge_window_s: float = 0.010
     length_ratio: float = 0.8
     nano_batches: int = 1
+    media_batch_tokens: int = 16
+    media_wait_s: float = 0.25
     frame_queue: int = 64
     text_queue_tokens: int = 16_384
     protect_answers: bool = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ class AppendItem:
     embeddings: torch.Tensor | None = None  # [n, hidden] for frame tokens
     droppable: bool = False
     done: int = 0  # tokens of this item already prefilled
+    queued_at: float = field(default_factory=time.monotonic)
 
     def __len__(self) -> int:
         return self.token_ids.shape[0]
@@ -90,6 +92,18 @@ class PendingQueue:
     def pop_head(self) -> None:
         with self._lock:
             self.items.popleft()
+
+    def ready_for_prefill(self, min_tokens: int, max_wait: float, now: float) -> bool:
+        """Whether enough media waits (or long enough, or a question waits behind it)."""
+        with self._lock:
+            if not self.items:
+                return False
+            if any(isinstance(i, QuestionMarker) for i in self.items):
+                return True
+            head = self.items[0]
+            if isinstance(head, AppendItem) and now - head.queued_at >= max_wait:
+                return True
+            return sum(i.remaining for i in self.items) >= min_tokens
 
     def pending_tokens(self) -> int:
         with self._lock:

@@ -8,6 +8,7 @@ own bounded queue.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +99,13 @@ class Scheduler:
             ))
             budget -= share
 
-        feeding = [s for s in sessions if s.registered and isinstance(s.pending.head(), AppendItem)]
+        now = time.monotonic()
+        feeding = [
+            s for s in sessions
+            if s.registered and isinstance(s.pending.head(), AppendItem)
+            and s.pending.ready_for_prefill(self.config.media_batch_tokens,
+                                            self.config.media_wait_s, now)
+        ]
         feeding = _rotate(feeding, self._prefill_turn)
         self._prefill_turn += 1
         for i, session in enumerate(feeding):

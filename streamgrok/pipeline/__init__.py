@@ -1,1 +1,17 @@
-"""Pipeline building blocks: bounded channels with explicit drop policies."""
+"""Pipelines as Python files: stages, bounded channels, triggers, sinks, the runner.
+
+A pipeline file defines `build_pipeline(options) -> Pipeline`; see pipelines/ for examples.
+"""
+
+from streamgrok.media.ingest import IngestConfig
+from streamgrok.pipeline.channel import Channel
+from streamgrok.pipeline.events import Event
+from streamgrok.pipeline.options import frame_encoders, option
+from streamgrok.pipeline.pipeline import DEFAULT_SYSTEM, Pipeline, PipelineRunner
+from streamgrok.pipeline.stage import Edge, Stage, run_chain
+from streamgrok.pipeline.triggers import At, Every, OnNote, Trigger
+
+__all__ = [
+    "DEFAULT_SYSTEM", "At", "Channel", "Edge", "Event", "Every", "IngestConfig", "OnNote",
+    "Pipeline", "PipelineRunner", "Stage", "Trigger", "frame_encoders", "option", "run_chain",
+]

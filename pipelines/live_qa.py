@@ -1,0 +1,25 @@
+"""Interactive questions over a live stream: the server's default pipeline.
+
+Everything the camera shows and the microphone hears goes into the session's context as
+timestamped notes (and CLIP frame tokens when weights and a projector are configured);
+questions come from the command line (--ask, --ask-at) or from websocket clients.
+
+    streamgrok run pipelines/live_qa.py --source demos/media/demo.mp4 --live \
+        --ask-at 5s "Who is on screen?"
+"""
+
+from streamgrok.pipeline import IngestConfig, Pipeline, frame_encoders, option
+
+
+def build_pipeline(options: dict) -> Pipeline:
+    clip, projector = frame_encoders(options)
+    return Pipeline(
+        name="live_qa",
+        ingest=IngestConfig(
+            fps=option(options, "fps", 1.0),  # frames sampled per second
+            live=option(options, "live", False),  # real-time pacing, drop oldest frames
+            transcribe=option(options, "transcribe", True),
+        ),
+        clip=clip,
+        projector=projector,
+    )

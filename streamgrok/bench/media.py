@@ -1,0 +1,91 @@
+"""`streamgrok bench media`: decode rate, CLIP rate, dedup ratios, end-to-end ingest rate.
+
+CLIP speed does not depend on the weights, so without configured weights this benchmark uses
+random ones and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from streamgrok.media.clip import ClipEncoder, ClipWeightsMissing
+from streamgrok.media.decode import decode_container
+from streamgrok.media.ingest import Ingest, IngestConfig
+from streamgrok.media.items import VideoFrame
+from streamgrok.media.projector import Projector
+from streamgrok.media.samples import DEMO_SCENES, Scene, write_clip
+from streamgrok.media.sampling import PixelDedup, RateSampler
+
+STATIC = [Scene("coffee", 20.0)]
+BUSY = [Scene(name, 2.0, moving_square=True) for name in
+        ("astronaut", "coffee", "chelsea", None, "camera")] * 2
+
+
+def run_media_bench(clip_weights: str | None = None, fps: float = 2.0) -> dict:
+    print(f"threads {torch.get_num_threads()}")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        demo = write_clip(Path(tmp) / "demo.mp4", DEMO_SCENES * 3, width=640, height=360,
+                          fps=25)
+        static = write_clip(Path(tmp) / "static.mp4", STATIC, fps=25, with_audio=False)
+        busy = write_clip(Path(tmp) / "busy.mp4", BUSY, fps=25, with_audio=False)
+
+        started = time.perf_counter()
+        frames = sum(1 for i in decode_container(str(demo), audio=False)
+                     if isinstance(i, VideoFrame))
+        decode_s = time.perf_counter() - started
+        results["decode_fps"] = frames / decode_s
+        print(f"decode     640x360 H.264: {results['decode_fps']:8.0f} frames/s "
+              f"({frames} frames)")
+
+        for name, path in (("static", static), ("busy", busy)):
+            sampler, dedup = RateSampler(fps), PixelDedup()
+            for item in decode_container(str(path), audio=False):
+                if isinstance(item, VideoFrame) and sampler.keep(item):
+                    dedup.keep(item)
+            ratio = dedup.stats.dropped / max(1, dedup.stats.seen)
+            results[f"dedup_{name}"] = ratio
+            print(f"dedup      {name:<6} clip at {fps:g} fps: {dedup.stats.seen} sampled, "
+                  f"{dedup.stats.dropped} dropped ({ratio:.0%}), {dedup.stats.cuts} cuts")
+
+        try:
+            encoder = ClipEncoder("ViT-B-32", pretrained=clip_weights)
+            label = "ViT-B-32"
+        except ClipWeightsMissing:
+            encoder = ClipEncoder("ViT-B-32", allow_random=True)
+            label = "ViT-B-32 (random weights: no CLIP weights configured)"
+        images = [f.image for f in decode_container(str(demo), audio=False)
+                  if isinstance(f, VideoFrame)][:32]
+        encoder.encode(images[:2])
+        for batch in (1, 16):
+            started = time.perf_counter()
+            for start in range(0, 32, batch):
+                encoder.encode(images[start : start + batch])
+            rate = 32 / (time.perf_counter() - started)
+            results[f"clip_b{batch}_fps"] = rate
+            print(f"CLIP       {label} batch {batch:>2}: {rate:6.1f} frames/s")
+
+        projector = Projector(encoder.dim, 576, tokens=1)
+        for with_clip in (False, True):
+            ingest = Ingest(IngestConfig(fps=fps, transcribe=True),
+                            encoder if with_clip else None, projector if with_clip else None)
+            started = time.perf_counter()
+
+            async def drain(ingest=ingest) -> int:
+                return sum([1 async for _ in ingest.run(str(demo))])
+
+            items = asyncio.run(drain())
+            wall = time.perf_counter() - started
+            stream_s = ingest.stats.stream_time
+            realtime = stream_s / wall
+            name = "observers+audio" + ("+CLIP" if with_clip else "")
+            results[f"ingest_{name}"] = realtime
+            print(f"ingest     {name:<20} {ingest.stats.sampled_frames / wall:6.1f} sampled "
+                  f"frames/s, {items} items, {stream_s:.0f} s of stream in {wall:.1f} s = "
+                  f"{realtime:.1f}x real time -> ~{int(realtime)} live {fps:g}-fps streams")
+    return results

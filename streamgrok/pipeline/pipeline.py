@@ -1,0 +1,203 @@
+"""A pipeline definition and the runner that wires source, stages, engine session and sinks.
+
+    source ─► Ingest (decode, sample/dedup, observers, CLIP, audio, interleave)
+           ─► user stages (bounded edges) ─► session (append, triggers, answers) ─► sinks
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from streamgrok.engine import Engine
+from streamgrok.engine.session import Answer, Session
+from streamgrok.media.clip import ClipEncoder
+from streamgrok.media.ingest import Ingest, IngestConfig
+from streamgrok.media.items import FrameTokens, MediaError, Note
+from streamgrok.media.projector import Projector
+from streamgrok.model.sampling import SamplingParams
+from streamgrok.pipeline.channel import Channel
+from streamgrok.pipeline.events import Event
+from streamgrok.pipeline.stage import Stage, run_stage
+from streamgrok.pipeline.triggers import At, Trigger
+
+DEFAULT_SYSTEM = (
+    "You are a helpful assistant watching a live video. Notes about what the camera sees and "
+    "hears arrive with timestamps [mm:ss]. Answer briefly, from the notes."
+)
+
+
+class Sink(Protocol):
+    async def send(self, event: Event) -> None: ...
+
+
+@dataclass
+class Pipeline:
+    """What a pipeline file builds: how to ingest, what stages and triggers to run."""
+
+    name: str
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    system_prompt: str = DEFAULT_SYSTEM
+    stages: list[Stage] = field(default_factory=list)
+    triggers: list[Trigger] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=64))
+    clip: ClipEncoder | None = None
+    projector: Projector | None = None
+
+
+@dataclass
+class RunStats:
+    stream_time: float = 0.0
+    notes: int = 0
+    frame_tokens: int = 0
+    errors: int = 0
+    answers: list[dict[str, Any]] = field(default_factory=list)
+
+
+class PipelineRunner:
+    """Runs one pipeline on one source for one engine session."""
+
+    def __init__(self, pipeline: Pipeline, engine: Engine, sinks: list[Sink],
+                 progress: Callable[[dict], None] | None = None) -> None:
+        self.pipeline = pipeline
+        self.engine = engine
+        self.sinks = sinks
+        self.progress = progress
+        self.stats = RunStats()
+        self.session: Session | None = None
+        self.ingest: Ingest | None = None
+        self._answers: list[asyncio.Task] = []
+
+    async def send(self, event: Event) -> None:
+        for sink in self.sinks:
+            await sink.send(event)
+
+    async def run(self, source: Any, asks: list[Trigger] | None = None) -> RunStats:
+        """Stream the source through the pipeline; returns when it ends and answers finish."""
+        pipeline = self.pipeline
+        self.session = self.engine.new_session(pipeline.system_prompt)
+        triggers = list(pipeline.triggers) + list(asks or [])
+        self.ingest = Ingest(pipeline.ingest, pipeline.clip, pipeline.projector)
+        stages = pipeline.stages
+        channels = [Channel(s.edge.capacity, s.edge.policy, s.name) for s in stages]
+        channels.append(Channel(64, "block", "session"))
+        tasks = [asyncio.create_task(run_stage(s, channels[i], channels[i + 1], self.send))
+                 for i, s in enumerate(stages)]
+
+        async def produce() -> None:
+            try:
+                async for item in self.ingest.run(source):
+                    await channels[0].put(item)
+            finally:
+                channels[0].close()
+
+        producer = asyncio.create_task(produce())
+        ticker = asyncio.create_task(self._tick(triggers))
+        last_progress = 0.0
+        try:
+            async for item in channels[-1]:
+                await self._consume(item, triggers)
+                if self.progress and time.monotonic() - last_progress > 1.0:
+                    last_progress = time.monotonic()
+                    self.progress(self.progress_info())
+            await asyncio.gather(producer, *tasks)
+            ticker.cancel()
+            self.stats.stream_time = max(self.stats.stream_time, self.ingest.stats.stream_time)
+            self._check_time(triggers)
+            for trigger in triggers:  # questions set for after the end of a short stream
+                if isinstance(trigger, At) and not trigger.fired:
+                    trigger.fired = True
+                    self._ask(trigger.question, trigger.kind)
+            await asyncio.gather(*self._answers)
+        finally:
+            producer.cancel()
+            ticker.cancel()
+            for task in tasks + self._answers:
+                task.cancel()
+            await self.session.close()
+        if self.progress:
+            self.progress(self.progress_info())
+        return self.stats
+
+    async def _consume(self, item: Any, triggers: list[Trigger]) -> None:
+        session = self.session
+        pts = getattr(item, "pts", None)
+        if pts is not None:
+            self.stats.stream_time = max(self.stats.stream_time, pts)
+        if isinstance(item, FrameTokens):
+            session.append_embeddings(item.vectors, item.pts, item.index)
+            self.stats.frame_tokens += item.vectors.shape[0]
+        elif isinstance(item, Note):
+            self.stats.notes += 1
+            await session.append_message(item.stamped(), modality=item.modality,
+                                         timestamp=item.pts, source=item.source)
+            await self.send(Event("note", item.text, item.pts, {"tags": sorted(item.tags)}))
+            for trigger in triggers:
+                question = trigger.on_note(item)
+                if question:
+                    self._ask(question, trigger.kind, item.pts)
+        elif isinstance(item, MediaError):
+            self.stats.errors += 1
+            await self.send(Event("error", item.message, item.pts, {"stage": item.stage}))
+        elif isinstance(item, Event):
+            await self.send(item)
+        self._check_time(triggers)
+
+    def _check_time(self, triggers: list[Trigger]) -> None:
+        for trigger in triggers:
+            question = trigger.on_time(self.stats.stream_time)
+            if question:
+                self._ask(question, trigger.kind)
+
+    async def _tick(self, triggers: list[Trigger]) -> None:
+        """Time triggers also fire during quiet stretches (static scenes emit no items),
+        by the time the ingest has decoded up to."""
+        while True:
+            await asyncio.sleep(0.25)
+            if self.ingest is not None:
+                self.stats.stream_time = max(self.stats.stream_time,
+                                             self.ingest.stats.stream_time)
+            self._check_time(triggers)
+
+    def _ask(self, question: str, kind: str, pts: float | None = None) -> None:
+        answer = self.session.ask(question, self.pipeline.sampling)
+        when = self.stats.stream_time if pts is None else pts
+        self._answers.append(asyncio.create_task(self._stream_answer(answer, question, kind,
+                                                                     when)))
+
+    async def _stream_answer(self, answer: Answer, question: str, kind: str,
+                             pts: float) -> None:
+        await self.send(Event(f"{kind}.question", question, pts, {"id": answer.id}))
+        parts = []
+        try:
+            async for delta in answer:
+                parts.append(delta)
+                await self.send(Event(f"{kind}.delta", delta, pts, {"id": answer.id}))
+        except Exception as exc:
+            await self.send(Event("error", f"answer failed: {exc}", pts, {"id": answer.id}))
+            return
+        metrics = answer.metrics.as_dict()
+        self.stats.answers.append({"question": question, "answer": "".join(parts), **metrics})
+        await self.send(Event(f"{kind}.done", "".join(parts), pts,
+                              {"id": answer.id, "question": question, **metrics}))
+
+    def progress_info(self) -> dict:
+        ingest = self.ingest.stats if self.ingest else None
+        snap = self.engine.snapshot()
+        return {
+            "stream_time": self.stats.stream_time,
+            "frames_sampled": ingest.sampled_frames if ingest else 0,
+            "frames_kept": ingest.kept_frames if ingest else 0,
+            "frames_dropped": (ingest.pixel_dropped + ingest.embedding_dropped
+                               + ingest.queue_dropped) if ingest else 0,
+            "notes": self.stats.notes,
+            "kv_pages_used": snap["kv_pages_used"],
+            "kv_pages_total": snap["kv_pages_total"],
+            "evicted_tokens": snap["evicted_tokens"],
+        }
+
+
+Report = Callable[[Event], Awaitable[None]]

@@ -1,0 +1,92 @@
+"""Where pipeline events go: the terminal, a JSON lines file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from streamgrok.pipeline.events import Event
+
+
+class StdoutSink:
+    """Prints notes and alerts as lines and streams answers as they are generated.
+
+    One answer streams live at a time; answers running concurrently are buffered and shown
+    whole, in order, when the live one ends, so their text never interleaves.
+    """
+
+    def __init__(self, stream: TextIO = sys.stdout, notes: bool = True) -> None:
+        self.stream = stream
+        self.notes = notes
+        self._live: int | None = None
+        self._line_open = False
+        self._waiting: dict[int, list[Event]] = {}
+
+    async def send(self, event: Event) -> None:
+        kind = event.kind
+        answer = event.data.get("id")
+        if kind.endswith((".delta", ".done")):
+            if self._live is None:
+                self._live = answer
+            if answer != self._live:
+                self._waiting.setdefault(answer, []).append(event)
+                return
+            self._show_answer_event(event)
+            if kind.endswith(".done"):
+                self._next_live()
+        elif kind.endswith(".question"):
+            self._end_line()
+            label = "ALERT" if kind.startswith("alert") else "Q"
+            self._write(event.line().replace(f"{kind}:", f"{label}:") + "\n")
+        elif kind != "note" or self.notes:
+            self._end_line()
+            self._write(event.line() + "\n")
+        self.stream.flush()
+
+    def _show_answer_event(self, event: Event) -> None:
+        if event.kind.endswith(".delta"):
+            if not self._line_open:
+                self._write(f"  > #{event.data.get('id')} ")
+                self._line_open = True
+            self._write(event.text)
+            return
+        self._end_line()
+        data = event.data
+        self._write(f"  (#{data.get('id')}: {data.get('tokens')} tokens, TTFT "
+                    f"{data.get('ttft_ms')} ms, {data.get('tbt_ms_mean')} ms/token)\n")
+
+    def _next_live(self) -> None:
+        self._live = None
+        while self._waiting:
+            answer, events = next(iter(self._waiting.items()))
+            del self._waiting[answer]
+            self._live = answer
+            for event in events:
+                self._show_answer_event(event)
+            if not events[-1].kind.endswith(".done"):
+                return  # it goes on streaming live
+            self._live = None
+
+    def _end_line(self) -> None:
+        if self._line_open:
+            self._write("\n")
+            self._line_open = False
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+
+
+class JsonLinesSink:
+    """Appends every event as one JSON object per line."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    async def send(self, event: Event) -> None:
+        self.file.write(json.dumps(event.as_dict(), default=str) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,0 +1,100 @@
+"""Stages: small async units with one contract, joined by bounded channels.
+
+A stage's `process(item)` returns None to pass the item on unchanged (the default, so a
+forgotten return never drops data), or a list of items to emit instead (an empty list drops
+the item on purpose). A stage that raises produces an error event and the pipeline goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from streamgrok.pipeline.channel import Channel
+from streamgrok.pipeline.events import Event
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Edge:
+    """The channel in front of a stage: its capacity and what happens when it is full."""
+
+    capacity: int = 64
+    policy: str = "block"
+
+
+class Stage:
+    """Base class: override `process`; `events` lets a stage report to the sinks."""
+
+    name = "stage"
+    edge = Edge()
+
+    def __init__(self) -> None:
+        self.report: Callable[[Event], Awaitable[None]] | None = None
+
+    async def process(self, item: Any) -> list[Any] | None:
+        """Handle one item; None passes it on."""
+        return None
+
+    async def start(self) -> None:
+        """Called once before the first item."""
+
+    async def stop(self) -> None:
+        """Called once after the last item."""
+
+    async def emit_event(self, event: Event) -> None:
+        if self.report is not None:
+            await self.report(event)
+
+
+async def run_stage(stage: Stage, inbox: Channel, outbox: Channel,
+                    report: Callable[[Event], Awaitable[None]]) -> None:
+    """Move items from inbox through `stage` to outbox until the inbox closes."""
+    stage.report = report
+    await stage.start()
+    try:
+        async for item in inbox:
+            try:
+                produced = await stage.process(item)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("stage %s failed", stage.name)
+                await report(Event("error", f"{stage.name}: {exc}",
+                                   getattr(item, "pts", None), {"stage": stage.name}))
+                produced = None  # the item goes on; one bad item does not stop the stream
+            for out in [item] if produced is None else produced:
+                await outbox.put(out)
+    finally:
+        await stage.stop()
+        outbox.close()
+
+
+async def run_chain(stages: list[Stage], items: list[Any] | None = None,
+                    source: Channel | None = None) -> tuple[list[Any], list[Event]]:
+    """Test harness: run stages between a fake source (items) and a collecting sink."""
+    events: list[Event] = []
+
+    async def report(event: Event) -> None:
+        events.append(event)
+
+    channels = [Channel(s.edge.capacity, s.edge.policy, s.name) for s in stages]
+    channels.append(Channel(64, "block", "sink"))
+    if source is not None:
+        channels[0] = source
+    tasks = [asyncio.create_task(run_stage(s, channels[i], channels[i + 1], report))
+             for i, s in enumerate(stages)]
+
+    async def feed() -> None:
+        for item in items or []:
+            await channels[0].put(item)
+        channels[0].close()
+
+    feeder = asyncio.create_task(feed()) if source is None else None
+    out = [item async for item in channels[-1]]
+    await asyncio.gather(*tasks, *([feeder] if feeder else []))
+    return out, events

@@ -1,0 +1,100 @@
+"""`streamgrok run PIPELINE.py --source ...`: run a pipeline file on a file or URL."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from typing import Any
+
+from streamgrok.cache.config import CacheConfig
+from streamgrok.engine import Engine
+from streamgrok.model.loader import LoadedModel
+from streamgrok.pipeline.loader import load_pipeline
+from streamgrok.pipeline.pipeline import PipelineRunner
+from streamgrok.pipeline.sinks import JsonLinesSink, StdoutSink
+from streamgrok.pipeline.triggers import At
+
+
+def parse_time(text: str) -> float:
+    """'90', '90s', '1:30', '1m30s' -> seconds."""
+    text = text.strip()
+    if ":" in text:
+        minutes, seconds = text.split(":", 1)
+        return int(minutes) * 60 + float(seconds)
+    match = re.fullmatch(r"(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", text)
+    if not text or match is None:
+        raise ValueError(f"not a time: {text!r} (use 10s, 1m30s or 1:30)")
+    return float(match.group(1) or 0) * 60 + float(match.group(2) or 0)
+
+
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    options = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--set takes key=value, got {pair!r}")
+        key, value = pair.split("=", 1)
+        options[key.strip()] = value
+    return options
+
+
+def print_progress(info: dict) -> None:
+    kv = info["kv_pages_used"] / max(1, info["kv_pages_total"])
+    sys.stderr.write(
+        f"  .. stream {info['stream_time']:6.1f} s | frames kept {info['frames_kept']} of "
+        f"{info['frames_sampled']} sampled, dropped {info['frames_dropped']} | notes "
+        f"{info['notes']} | KV {info['kv_pages_used']} pages ({kv:.1%}), evicted "
+        f"{info['evicted_tokens']}\n"
+    )
+    sys.stderr.flush()
+
+
+async def run_pipeline_file(
+    loaded: LoadedModel,
+    path: str,
+    source: str,
+    options: dict[str, Any],
+    asks: list[tuple[float | None, str]],
+    cache: CacheConfig,
+    jsonl: str | None = None,
+    show_notes: bool = True,
+) -> int:
+    options.setdefault("hidden_size", loaded.config.hidden_size)
+    pipeline = load_pipeline(path, options)
+    sinks: list = [StdoutSink(notes=show_notes)]
+    if jsonl:
+        sinks.append(JsonLinesSink(jsonl))
+    end = float("inf")
+    triggers = [At(q, seconds=end if at is None else at) for at, q in asks]
+    async with Engine(loaded, cache) as engine:
+        runner = PipelineRunner(pipeline, engine, sinks, progress=print_progress)
+        print(f"pipeline {pipeline.name} on {source} "
+              f"({'live' if pipeline.ingest.live else 'as fast as possible'}, "
+              f"{pipeline.ingest.fps:g} fps sampled)")
+        stats = await runner.run(source, triggers)
+        snap = engine.snapshot()
+    for sink in sinks:
+        if hasattr(sink, "close"):
+            sink.close()
+    answered = stats.answers
+    ttfts = [a["ttft_ms"] for a in answered if a.get("ttft_ms") is not None]
+    print(f"\nstream {stats.stream_time:.1f} s: {stats.notes} notes, {stats.frame_tokens} frame "
+          f"tokens, {stats.errors} errors; {len(answered)} answers"
+          + (f", TTFT mean {sum(ttfts) / len(ttfts):.0f} ms" if ttfts else ""))
+    print(f"engine: {snap['steps']} steps (p50 {snap['step_ms_p50']:.0f} ms), "
+          f"{snap['prefill_tokens']} prefill + {snap['decode_tokens']} decode tokens; "
+          f"KV peak pages in use now {snap['kv_pages_used']}/{snap['kv_pages_total']}, "
+          f"evicted {snap['evicted_tokens']} tokens")
+    return 0
+
+
+def run_command(loaded: LoadedModel, args) -> int:
+    asks = [(None, q) for q in args.ask or []]
+    asks += [(parse_time(t), q) for t, q in args.ask_at or []]
+    options = parse_options(args.set or [])
+    if args.live:
+        options["live"] = "true"
+    cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
+                        kv_dtype=args.kv_dtype, memory_gib=args.kv_memory_gib)
+    return asyncio.run(run_pipeline_file(loaded, args.pipeline, args.source, options, asks,
+                                         cache, args.jsonl, not args.quiet_notes))

@@ -1,0 +1,174 @@
+"""Pipelines as Python files: loading, the stage harness, and the sample pipelines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import random_model, tiny_config, write_gguf
+
+from streamgrok.cache.config import CacheConfig
+from streamgrok.engine import Engine, EngineConfig
+from streamgrok.media.items import Note
+from streamgrok.media.samples import Scene, write_clip
+from streamgrok.model.loader import load_model
+from streamgrok.pipeline import Edge, Stage, run_chain
+from streamgrok.pipeline.loader import PipelineLoadError, load_pipeline
+from streamgrok.pipeline.pipeline import PipelineRunner
+from streamgrok.pipeline.triggers import At
+from streamgrok.run import parse_time
+
+PIPELINES = Path(__file__).parent.parent / "pipelines"
+
+
+class Collect:
+    def __init__(self):
+        self.events = []
+
+    async def send(self, event):
+        self.events.append(event)
+
+    def kinds(self):
+        return {e.kind for e in self.events}
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    return write_clip(tmp_path_factory.mktemp("clip") / "clip.mp4",
+                      [Scene("astronaut", 2.0, speech="Hello, is anybody there?"),
+                       Scene("coffee", 2.0), Scene(None, 2.0, moving_square=True)])
+
+
+async def run_file(loaded, name, clip, options=None, asks=()):
+    pipeline = load_pipeline(PIPELINES / name, {"transcribe": "false", **(options or {})})
+    sink = Collect()
+    cache = CacheConfig(budget_tokens=512, memory_gib=0.05)
+    async with Engine(loaded, cache, EngineConfig(merge_window_s=0)) as engine:
+        stats = await PipelineRunner(pipeline, engine, [sink]).run(str(clip), list(asks))
+        await_pages = engine.cache.pool.used_pages
+    return sink, stats, await_pages
+
+
+async def test_live_qa_answers_questions_at_times(tiny_loaded, clip):
+    sink, stats, pages = await run_file(tiny_loaded, "live_qa.py", clip,
+                                        asks=[At("who is there?", seconds=1.0),
+                                              At("and at the end?", seconds=float("inf"))])
+    assert {"note", "answer.question", "answer.delta", "answer.done"} <= sink.kinds()
+    assert len(stats.answers) == 2 and stats.notes > 0
+    assert any("face" in e.text for e in sink.events if e.kind == "note")
+    assert pages == 0  # the session's pages were all returned
+
+
+async def test_commentary_narrates_on_schedule(tiny_loaded, clip):
+    sink, stats, _ = await run_file(tiny_loaded, "commentary.py", clip, {"every": "2"})
+    done = [e for e in sink.events if e.kind == "commentary.done"]
+    assert len(done) >= 2
+
+
+async def test_alert_fires_on_observed_condition(tiny_loaded, clip):
+    sink, _, _ = await run_file(tiny_loaded, "alert.py", clip, {"watch": "face,cut"})
+    questions = [e for e in sink.events if e.kind == "alert.question"]
+    assert questions and any("face" in q.text or "CUT" in q.text for q in questions)
+    assert "alert.done" in sink.kinds()
+
+
+class Upper(Stage):
+    name = "upper"
+
+    async def process(self, item):
+        if isinstance(item, str) and item.startswith("drop"):
+            return []
+        if isinstance(item, str):
+            return [item.upper()]
+        return None  # anything else passes through
+
+
+class Forgetful(Stage):
+    name = "forgetful"
+
+    async def process(self, item):
+        item.tags.add("seen")  # no return: the item still passes on
+
+
+class Broken(Stage):
+    name = "broken"
+
+    async def process(self, item):
+        if item == "boom":
+            raise RuntimeError("cannot handle boom")
+        return None
+
+
+async def test_stage_harness_pass_through_and_errors():
+    note = Note("hello", 1.0)
+    out, events = await run_chain([Upper(), Forgetful()], [note])
+    assert out == [note] and "seen" in note.tags
+    out, _ = await run_chain([Upper()], ["a", "drop me", 3])
+    assert out == ["A", 3]
+    out, events = await run_chain([Broken(), Upper()], ["x", "boom", "y"])
+    assert out == ["X", "BOOM", "Y"]  # the failing item went on, the stream did not stop
+    assert [e.kind for e in events] == ["error"] and "cannot handle boom" in events[0].text
+
+
+class Slow(Stage):
+    name = "slow"
+    edge = Edge(capacity=2, policy="drop_oldest")
+
+    async def process(self, item):
+        import asyncio
+
+        await asyncio.sleep(0.01)
+        return None
+
+
+async def test_stage_edge_policy_drops_oldest():
+    from streamgrok.pipeline.channel import Channel
+
+    source = Channel(2, "drop_oldest", "frames")
+    import asyncio
+
+    async def produce():
+        for i in range(50):
+            await source.put(i)
+            await asyncio.sleep(0)
+        source.close()
+
+    producer = asyncio.create_task(produce())
+    out, _ = await run_chain([Slow()], source=source)
+    await producer
+    assert source.stats.dropped > 0 and len(out) + source.stats.dropped == 50
+    assert out == sorted(out) and out[-1] == 49
+
+
+def test_loading_errors_are_named(tmp_path):
+    with pytest.raises(PipelineLoadError, match="not found"):
+        load_pipeline(tmp_path / "missing.py")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def build_pipeline(options)\n    return 1\n")
+    with pytest.raises(PipelineLoadError, match="broken.py:1: syntax error"):
+        load_pipeline(broken)
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(PipelineLoadError, match="defines no pipeline"):
+        load_pipeline(empty)
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("def build_pipeline(options):\n    return 'a string'\n")
+    with pytest.raises(PipelineLoadError, match="returned str, not a Pipeline"):
+        load_pipeline(wrong)
+    failing = tmp_path / "failing.py"
+    failing.write_text("import json\nraise RuntimeError('no camera')\n")
+    with pytest.raises(PipelineLoadError, match="line 2: RuntimeError: no camera"):
+        load_pipeline(failing)
+
+
+def test_parse_time():
+    assert parse_time("10s") == 10 and parse_time("1:30") == 90 and parse_time("1m30s") == 90
+    assert parse_time("2.5") == 2.5
+    with pytest.raises(ValueError, match="not a time"):
+        parse_time("soon")
