@@ -19,7 +19,7 @@ from streamgrok.media.observers import FrameObserver, dominant_colours
 from streamgrok.media.projector import Projector
 from streamgrok.media.samples import Scene, photo, write_clip
 from streamgrok.media.sampling import PixelDedup, RateSampler
-from streamgrok.pipeline.channel import Channel
+from streamgrok.channel import Channel
 
 SHORT = [Scene("astronaut", 1.5, speech="Hello there, this is a test."),
          Scene("coffee", 1.0), Scene(None, 1.0, moving_square=True)]

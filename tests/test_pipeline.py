@@ -128,7 +128,7 @@ class Slow(Stage):
 
 
 async def test_stage_edge_policy_drops_oldest():
-    from streamgrok.pipeline.channel import Channel
+    from streamgrok.channel import Channel
 
     source = Channel(2, "drop_oldest", "frames")
     import asyncio

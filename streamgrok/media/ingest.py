@@ -25,7 +25,7 @@ from streamgrok.media.items import AudioChunk, FrameTokens, MediaError, Note, Vi
 from streamgrok.media.observers import FrameObserver
 from streamgrok.media.projector import Projector
 from streamgrok.media.sampling import PixelDedup, RateSampler
-from streamgrok.pipeline.channel import Channel, ChannelClosed
+from streamgrok.channel import Channel, ChannelClosed
 
 
 @dataclass

@@ -4,7 +4,7 @@ A pipeline file defines `build_pipeline(options) -> Pipeline`; see pipelines/ fo
 """
 
 from streamgrok.media.ingest import IngestConfig
-from streamgrok.pipeline.channel import Channel
+from streamgrok.channel import Channel
 from streamgrok.pipeline.events import Event
 from streamgrok.pipeline.options import frame_encoders, option
 from streamgrok.pipeline.pipeline import DEFAULT_SYSTEM, Pipeline, PipelineRunner

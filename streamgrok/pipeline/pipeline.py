@@ -19,7 +19,7 @@ from streamgrok.media.ingest import Ingest, IngestConfig
 from streamgrok.media.items import FrameTokens, MediaError, Note
 from streamgrok.media.projector import Projector
 from streamgrok.model.sampling import SamplingParams
-from streamgrok.pipeline.channel import Channel
+from streamgrok.channel import Channel
 from streamgrok.pipeline.events import Event
 from streamgrok.pipeline.stage import Stage, run_stage
 from streamgrok.pipeline.triggers import At, Trigger

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from streamgrok.pipeline.channel import Channel
+from streamgrok.channel import Channel
 from streamgrok.pipeline.events import Event
 
 log = logging.getLogger(__name__)
