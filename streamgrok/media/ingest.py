@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from streamgrok.channel import Channel, ChannelClosed
 from streamgrok.media.audio import AudioObserver, PocketSphinxTranscriber, Transcriber
 from streamgrok.media.clip import ClipEncoder, EmbeddingDedup
 from streamgrok.media.decode import decode_container
@@ -25,7 +26,6 @@ from streamgrok.media.items import AudioChunk, FrameTokens, MediaError, Note, Vi
 from streamgrok.media.observers import FrameObserver
 from streamgrok.media.projector import Projector
 from streamgrok.media.sampling import PixelDedup, RateSampler
-from streamgrok.channel import Channel, ChannelClosed
 
 
 @dataclass

@@ -3,8 +3,8 @@
 A pipeline file defines `build_pipeline(options) -> Pipeline`; see pipelines/ for examples.
 """
 
-from streamgrok.media.ingest import IngestConfig
 from streamgrok.channel import Channel
+from streamgrok.media.ingest import IngestConfig
 from streamgrok.pipeline.events import Event
 from streamgrok.pipeline.options import frame_encoders, option
 from streamgrok.pipeline.pipeline import DEFAULT_SYSTEM, Pipeline, PipelineRunner

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from streamgrok.channel import Channel
 from streamgrok.engine import Engine
 from streamgrok.engine.session import Answer, Session
 from streamgrok.media.clip import ClipEncoder
@@ -19,7 +20,6 @@ from streamgrok.media.ingest import Ingest, IngestConfig
 from streamgrok.media.items import FrameTokens, MediaError, Note
 from streamgrok.media.projector import Projector
 from streamgrok.model.sampling import SamplingParams
-from streamgrok.channel import Channel
 from streamgrok.pipeline.events import Event
 from streamgrok.pipeline.stage import Stage, run_stage
 from streamgrok.pipeline.triggers import At, Trigger
