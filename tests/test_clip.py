@@ -10,7 +10,7 @@ import torch
 
 from streamgrok.media.clip import ClipEncoder, ClipWeightsMissing, EmbeddingDedup
 from streamgrok.media.ingest import Ingest, IngestConfig
-from streamgrok.media.items import FrameTokens
+from streamgrok.media.items import FrameTokens, Tick
 from streamgrok.media.projector import Projector
 from streamgrok.media.samples import Scene, photo, write_clip
 
@@ -72,7 +72,9 @@ async def test_ingest_emits_frame_tokens(tiny_clip_weights, tmp_path):
     encoder = ClipEncoder("tiny-clip-test", pretrained=str(tiny_clip_weights))
     projector = Projector(512, 64, tokens=2)
     ingest = Ingest(IngestConfig(fps=2, audio=False, observers=False), encoder, projector)
-    tokens = [i async for i in ingest.run(str(clip))]
+    items = [i async for i in ingest.run(str(clip))]
+    tokens = [i for i in items if not isinstance(i, Tick)]
     assert tokens and all(isinstance(t, FrameTokens) for t in tokens)
+    assert sum(isinstance(i, Tick) for i in items) >= 3  # stream time, every half second
     assert tokens[0].vectors.shape == (2, 64)
     assert np.all(np.diff([t.pts for t in tokens]) > 0)

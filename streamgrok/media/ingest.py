@@ -22,10 +22,12 @@ from streamgrok.media.audio import AudioObserver, PocketSphinxTranscriber, Trans
 from streamgrok.media.clip import ClipEncoder, EmbeddingDedup
 from streamgrok.media.decode import decode_container
 from streamgrok.media.interleave import Interleaver
-from streamgrok.media.items import AudioChunk, FrameTokens, MediaError, Note, VideoFrame
+from streamgrok.media.items import AudioChunk, FrameTokens, MediaError, Note, Tick, VideoFrame
 from streamgrok.media.observers import FrameObserver
 from streamgrok.media.projector import Projector
 from streamgrok.media.sampling import PixelDedup, RateSampler
+
+TICK_SECONDS = 0.5
 
 
 @dataclass
@@ -83,8 +85,9 @@ class Ingest:
 
     async def run(
         self, source: str | BinaryIO, container_format: str | None = None
-    ) -> AsyncIterator[FrameTokens | Note | MediaError]:
-        """Decode and process `source` (path, URL or byte stream); yields in time order."""
+    ) -> AsyncIterator[FrameTokens | Note | MediaError | Tick]:
+        """Decode and process `source` (path, URL or byte stream); yields in time order,
+        with a Tick every half second of stream time."""
         loop = asyncio.get_running_loop()
         policy = "drop_oldest" if self.config.live else "block"
         video_in: Channel = Channel(self.config.frame_queue, policy, "video")
@@ -119,7 +122,11 @@ class Ingest:
             sampler = RateSampler(self.config.fps)
             dedup = PixelDedup(self.config.dedup_threshold)
             embed_dedup = EmbeddingDedup(self.config.embedding_dedup)
+            last_tick = float("-inf")
             async for item in video_in:
+                if isinstance(item, VideoFrame) and item.pts - last_tick >= TICK_SECONDS:
+                    last_tick = item.pts
+                    await emit("video", item.pts, Tick(item.pts))
                 if isinstance(item, MediaError):
                     self.stats.errors += 1
                     await emit("video", item.pts or self.stats.stream_time, item)
@@ -204,8 +211,10 @@ class Ingest:
         return produced
 
 
-def describe(item: FrameTokens | Note | MediaError) -> str:
+def describe(item: FrameTokens | Note | MediaError | Tick) -> str:
     """One printable line for an ingest item."""
+    if isinstance(item, Tick):
+        return f"[tick {item.pts:.1f}s]"
     if isinstance(item, Note):
         return item.stamped()
     if isinstance(item, FrameTokens):

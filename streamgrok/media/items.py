@@ -59,6 +59,14 @@ class FrameTokens:
 
 
 @dataclass(eq=False)
+class Tick:
+    """Stream time passing: emitted while frames are skipped or static, so time triggers
+    downstream follow the stream even when nothing else is produced."""
+
+    pts: float
+
+
+@dataclass(eq=False)
 class MediaError:
     """A decode or processing failure; the stream goes on with the next decodable data."""
 

@@ -95,7 +95,6 @@ class PipelineRunner:
                 channels[0].close()
 
         producer = asyncio.create_task(produce())
-        ticker = asyncio.create_task(self._tick(triggers))
         last_progress = 0.0
         try:
             async for item in channels[-1]:
@@ -104,7 +103,6 @@ class PipelineRunner:
                     last_progress = time.monotonic()
                     self.progress(self.progress_info())
             await asyncio.gather(producer, *tasks)
-            ticker.cancel()
             self.stats.stream_time = max(self.stats.stream_time, self.ingest.stats.stream_time)
             self._check_time(triggers)
             for trigger in triggers:  # questions set for after the end of a short stream
@@ -114,7 +112,6 @@ class PipelineRunner:
             await asyncio.gather(*self._answers)
         finally:
             producer.cancel()
-            ticker.cancel()
             for task in tasks + self._answers:
                 task.cancel()
             await self.session.close()
@@ -151,16 +148,6 @@ class PipelineRunner:
             question = trigger.on_time(self.stats.stream_time)
             if question:
                 self._ask(question, trigger.kind)
-
-    async def _tick(self, triggers: list[Trigger]) -> None:
-        """Time triggers also fire during quiet stretches (static scenes emit no items),
-        by the time the ingest has decoded up to."""
-        while True:
-            await asyncio.sleep(0.25)
-            if self.ingest is not None:
-                self.stats.stream_time = max(self.stats.stream_time,
-                                             self.ingest.stats.stream_time)
-            self._check_time(triggers)
 
     def _ask(self, question: str, kind: str, pts: float | None = None) -> None:
         answer = self.session.ask(question, self.pipeline.sampling)
