@@ -55,6 +55,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kv-memory-gib", type=float, default=1.0)
     _add_model_options(run)
 
+    srv = commands.add_parser("serve", help="websocket server, demo page and /metrics")
+    srv.add_argument("pipeline", nargs="?", default="pipelines/live_qa.py")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8765)
+    srv.add_argument("--token", default=None, help="required off loopback (or STREAMGROK_TOKEN)")
+    srv.add_argument("--allow-origin", action="append", default=[],
+                     help="extra browser origin allowed to connect (repeatable)")
+    srv.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
+    srv.add_argument("--kv-policy", default="redundancy")
+    srv.add_argument("--kv-budget", type=int, default=2048)
+    srv.add_argument("--kv-memory-gib", type=float, default=2.0)
+    _add_model_options(srv)
+
     bench = commands.add_parser("bench", help="run a benchmark")
     benches = bench.add_subparsers(dest="bench", required=True)
     decode = benches.add_parser("decode", help="prefill and batched decode throughput")
@@ -210,6 +223,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise AssertionError(args.bench)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from streamgrok.cache.config import CacheConfig
+    from streamgrok.run import parse_options
+    from streamgrok.server.app import ServerConfig, serve_forever
+
+    config = ServerConfig(args.pipeline, args.host, args.port, args.token, args.allow_origin,
+                          parse_options(args.set or []))
+    cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
+                        memory_gib=args.kv_memory_gib)
+    loaded = _load(args)
+    try:
+        uvloop.run(serve_forever(loaded, config, cache))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from streamgrok.run import run_command
 
@@ -218,6 +250,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": cmd_run,
+    "serve": cmd_serve,
     "chat": cmd_chat,
     "info": cmd_info,
     "bench": cmd_bench,

@@ -211,3 +211,11 @@ def test_projector_round_trip_and_mismatch(tmp_path):
         Projector.load(path, hidden=576)
     with pytest.raises(ModelLoadError, match="not found"):
         Projector.load(tmp_path / "missing.safetensors")
+
+
+def test_interleaver_does_not_wait_forever_for_a_silent_input():
+    merger = Interleaver(["video", "audio"], max_delay=2.0)
+    merger.push("video", 0.5, "note")
+    assert merger.ready() == []
+    merger.push("video", 3.0, "later")  # audio never spoke: after 2 s of lateness, go on
+    assert merger.ready() == ["note"]

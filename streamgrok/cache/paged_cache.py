@@ -15,7 +15,15 @@ from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
 from streamgrok.cache.prefix import PrefixIndex
-from streamgrok.cache.tokens import META_COLUMNS, PROTECTED, STREAM, LayerTokens
+from streamgrok.cache.tokens import (
+    META_COLUMNS,
+    MODALITY,
+    PROTECTED,
+    SOURCE,
+    STREAM,
+    TIME,
+    LayerTokens,
+)
 from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.config import ModelConfig
@@ -175,6 +183,20 @@ class PagedKVCache:
                 rec.meta[protected[:excess], PROTECTED] = 0.0
                 released += excess
         return released
+
+    def retained(self, seq_id: int, layer: int = 0) -> list[dict]:
+        """What a layer still holds of frames, notes and audio: one entry per source/time,
+        for the server's timeline of what eviction kept."""
+        rec = self.sequences[seq_id].layers[layer]
+        meta = rec.meta[: rec.length]
+        media = meta[meta[:, MODALITY] != int(Modality.TEXT)]
+        if media.numel() == 0:
+            return []
+        keys, counts = torch.unique(media[:, [MODALITY, SOURCE, TIME]], dim=0,
+                                    return_counts=True)
+        names = {int(m): m.name.lower() for m in Modality}
+        return [{"modality": names[int(k[0])], "source": int(k[1]), "t": float(k[2]),
+                 "tokens": int(c)} for k, c in zip(keys, counts)]
 
     @torch.inference_mode()
     def publish_prefix(self, seq_id: int, tokens: Sequence[int]) -> int:

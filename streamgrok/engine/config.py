@@ -21,6 +21,7 @@ class EngineConfig:
 
     max_batch: int = 32
     step_tokens: int = 512
+    decode_step_prefill: int = 128  # prefill tokens a step with decodes may carry (TBT bound)
     min_prefill_share: int = 32
     merge_window_s: float = 0.010
     length_ratio: float = 0.8

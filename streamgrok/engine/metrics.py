@@ -41,6 +41,7 @@ class AnswerMetrics:
         return {
             "ttft_ms": None if self.ttft is None else round(self.ttft * 1e3, 2),
             "tbt_ms_mean": round(sum(gaps) / len(gaps) * 1e3, 2) if gaps else None,
+            "tbt_ms": [round(g * 1e3, 2) for g in gaps],
             "tokens": self.tokens,
             "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,

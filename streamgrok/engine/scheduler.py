@@ -87,6 +87,8 @@ class Scheduler:
                 ))
                 budget -= 1
 
+        if plan.spans:  # decodes run this step: keep it short so time between tokens stays low
+            budget = min(budget, self.config.decode_step_prefill)
         prompts = [a for a in answers if a.phase == "prompt"]
         for answer in prompts:
             share = min(answer.prompt.numel() - answer.prompt_done, budget)

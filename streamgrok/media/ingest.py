@@ -88,28 +88,69 @@ class Ingest:
     ) -> AsyncIterator[FrameTokens | Note | MediaError | Tick]:
         """Decode and process `source` (path, URL or byte stream); yields in time order,
         with a Tick every half second of stream time."""
-        loop = asyncio.get_running_loop()
-        policy = "drop_oldest" if self.config.live else "block"
-        video_in: Channel = Channel(self.config.frame_queue, policy, "video")
-        audio_in: Channel = Channel(256, "block", "audio")
-        out: Channel = Channel(64, "block", "ingest-out")
-        merger = Interleaver(["video", "audio"])
+        video_in, audio_in = self.open_inputs()
         stop = threading.Event()
+        decoder = asyncio.create_task(asyncio.to_thread(
+            self.decode_into, source, video_in, audio_in, asyncio.get_running_loop(), stop,
+            container_format, True,
+        ))
+        try:
+            async for item in self.process(video_in, audio_in):
+                yield item
+        finally:
+            stop.set()
+            video_in.close()
+            audio_in.close()
+            await asyncio.gather(decoder, return_exceptions=True)
 
-        def decode() -> None:
-            items = decode_container(source, audio=self.config.audio,
-                                     container_format=container_format)
-            for item in self._paced(items, stop):
-                target = audio_in if isinstance(item, AudioChunk) else video_in
-                try:
-                    asyncio.run_coroutine_threadsafe(target.put(item), loop).result()
-                except (ChannelClosed, RuntimeError):
-                    return
+    def open_inputs(self) -> tuple[Channel, Channel]:
+        """The bounded channels the stages read: video (drop-oldest when live, else block)
+        and audio (block). Push VideoFrame/AudioChunk/MediaError items into them directly
+        (frames and PCM from a browser) or through `decode_into` (containers)."""
+        policy = "drop_oldest" if self.config.live else "block"
+        return (Channel(self.config.frame_queue, policy, "video"),
+                Channel(256, "block", "audio"))
+
+    def decode_into(
+        self,
+        source: str | BinaryIO,
+        video_in: Channel,
+        audio_in: Channel,
+        loop: asyncio.AbstractEventLoop,
+        stop: threading.Event,
+        container_format: str | None = None,
+        close_when_done: bool = True,
+    ) -> None:
+        """Decode a container on this (worker) thread into the input channels."""
+        items = decode_container(source, audio=self.config.audio,
+                                 container_format=container_format)
+        for item in self._paced(items, stop):
+            target = audio_in if isinstance(item, AudioChunk) else video_in
+            try:
+                asyncio.run_coroutine_threadsafe(target.put(item), loop).result()
+            except (ChannelClosed, RuntimeError):
+                return
+        if close_when_done:
             loop.call_soon_threadsafe(video_in.close)
             loop.call_soon_threadsafe(audio_in.close)
 
+    async def process(
+        self, video_in: Channel, audio_in: Channel
+    ) -> AsyncIterator[FrameTokens | Note | MediaError | Tick]:
+        """Run the stages on items pushed into the input channels until both close."""
+        out: Channel = Channel(64, "block", "ingest-out")
+        # live: an input silent for 2 s of stream time (no microphone) must not stall the rest;
+        # files: strict order
+        merger = Interleaver(["video", "audio"],
+                             max_delay=2.0 if self.config.live else float("inf"))
+
         async def emit(name: str, pts: float, item) -> None:
             merger.push(name, pts, item)
+            for ready in merger.ready():
+                await out.put(ready)
+
+        async def advance(name: str, pts: float) -> None:
+            merger.advance(name, pts)
             for ready in merger.ready():
                 await out.put(ready)
 
@@ -134,17 +175,17 @@ class Ingest:
                 self.stats.decoded_frames += 1
                 self.stats.stream_time = max(self.stats.stream_time, item.pts)
                 if not sampler.keep(item):
-                    merger.advance("video", item.pts)
+                    await advance("video", item.pts)
                     continue
                 self.stats.sampled_frames += 1
                 if not dedup.keep(item):
                     self.stats.pixel_dropped += 1
-                    merger.advance("video", item.pts)
+                    await advance("video", item.pts)
                     continue
                 self.stats.kept_frames += 1
                 for produced in await asyncio.to_thread(self._process_frame, item, embed_dedup):
                     await emit("video", item.pts, produced)
-                merger.advance("video", item.pts)
+                await advance("video", item.pts)
             self.stats.queue_dropped += video_in.stats.dropped
             await finish("video")
 
@@ -156,7 +197,7 @@ class Ingest:
                 for note in await asyncio.to_thread(self.audio.feed, chunk):
                     self.stats.notes += 1
                     await emit("audio", note.pts, note)
-                merger.advance("audio", self.audio.watermark(chunk.pts + chunk.duration))
+                await advance("audio", self.audio.watermark(chunk.pts + chunk.duration))
             if self.audio is not None:
                 for note in self.audio.flush():
                     self.stats.notes += 1
@@ -165,7 +206,7 @@ class Ingest:
 
         async def run_all() -> None:
             try:
-                await asyncio.gather(asyncio.to_thread(decode), video_stage(), audio_stage())
+                await asyncio.gather(video_stage(), audio_stage())
             finally:
                 out.close()
 
@@ -174,7 +215,6 @@ class Ingest:
             async for item in out:
                 yield item
         finally:
-            stop.set()
             video_in.close()
             audio_in.close()
             out.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -76,11 +76,29 @@ class PipelineRunner:
             await sink.send(event)
 
     async def run(self, source: Any, asks: list[Trigger] | None = None) -> RunStats:
-        """Stream the source through the pipeline; returns when it ends and answers finish."""
+        """Stream a file, URL or byte stream through the pipeline; returns when it ends and
+        the answers have finished."""
+        self.start()
+        return await self.run_items(self.ingest.run(source), asks)
+
+    def start(self) -> None:
+        """Open the engine session and the ingest (before pushing media or asking)."""
+        if self.session is None:
+            self.session = self.engine.new_session(self.pipeline.system_prompt)
+            self.ingest = Ingest(self.pipeline.ingest, self.pipeline.clip,
+                                 self.pipeline.projector)
+
+    def ask(self, question: str, kind: str = "answer") -> Answer:
+        """Ask the session now (a client's query); the answer streams to the sinks."""
+        return self._ask(question, kind)
+
+    async def run_items(self, items: AsyncIterator[Any],
+                        asks: list[Trigger] | None = None) -> RunStats:
+        """Run stages, session and triggers on an ingest stream until it ends."""
+        self.start()
         pipeline = self.pipeline
-        self.session = self.engine.new_session(pipeline.system_prompt)
+        source_items = items
         triggers = list(pipeline.triggers) + list(asks or [])
-        self.ingest = Ingest(pipeline.ingest, pipeline.clip, pipeline.projector)
         stages = pipeline.stages
         channels = [Channel(s.edge.capacity, s.edge.policy, s.name) for s in stages]
         channels.append(Channel(64, "block", "session"))
@@ -89,7 +107,7 @@ class PipelineRunner:
 
         async def produce() -> None:
             try:
-                async for item in self.ingest.run(source):
+                async for item in source_items:
                     await channels[0].put(item)
             finally:
                 channels[0].close()
@@ -149,11 +167,12 @@ class PipelineRunner:
             if question:
                 self._ask(question, trigger.kind)
 
-    def _ask(self, question: str, kind: str, pts: float | None = None) -> None:
+    def _ask(self, question: str, kind: str, pts: float | None = None) -> Answer:
         answer = self.session.ask(question, self.pipeline.sampling)
         when = self.stats.stream_time if pts is None else pts
         self._answers.append(asyncio.create_task(self._stream_answer(answer, question, kind,
                                                                      when)))
+        return answer
 
     async def _stream_answer(self, answer: Answer, question: str, kind: str,
                              pts: float) -> None:

@@ -1,0 +1,164 @@
+"""`streamgrok serve PIPELINE.py`: websocket sessions, the demo page and /metrics on one port."""
+
+from __future__ import annotations
+
+import hmac
+import http
+import ipaddress
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from streamgrok.cache.config import CacheConfig
+from streamgrok.engine import Engine
+from streamgrok.model.loader import LoadedModel
+from streamgrok.pipeline.loader import load_pipeline
+from streamgrok.server.connection import ClientConnection
+from streamgrok.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+STATIC_DIR = Path(__file__).resolve().parents[2] / "demos" / "assistant"
+STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                ".css": "text/css; charset=utf-8"}
+TOKEN_ENV = "STREAMGROK_TOKEN"
+
+
+@dataclass
+class ServerConfig:
+    """Limits and security settings of the server."""
+
+    pipeline_path: str
+    host: str = "127.0.0.1"
+    port: int = 8765
+    token: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    pipeline_options: dict = field(default_factory=dict)
+    max_message_bytes: int = 2 * 2**20
+    max_inflight_queries: int = 4
+    max_media_per_second: int = 30
+    idle_timeout_s: float = 300.0
+    outbound_queue: int = 256
+    stats_interval_s: float = 2.0
+    max_sessions: int = 32
+    static_dir: Path = STATIC_DIR
+
+    def __post_init__(self) -> None:
+        self.token = self.token or os.environ.get(TOKEN_ENV) or None
+        if not _is_loopback(self.host) and not self.token:
+            raise ValueError(
+                f"binding to {self.host} (not loopback) requires a token: pass --token or set "
+                f"{TOKEN_ENV}"
+            )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class StreamgrokServer:
+    """One engine shared by every client session; one port for websocket and HTTP."""
+
+    def __init__(self, loaded: LoadedModel, config: ServerConfig,
+                 cache: CacheConfig | None = None) -> None:
+        load_pipeline(config.pipeline_path, dict(config.pipeline_options))  # fail early
+        self.loaded = loaded
+        self.config = config
+        self.cache_config = cache or CacheConfig()
+        self.metrics = ServerMetrics()
+        self.engine: Engine | None = None
+        self.active_sessions = 0
+        self.server: Server | None = None
+
+    async def start(self) -> Server:
+        self.engine = Engine(self.loaded, self.cache_config)
+        self.engine.start()
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.host, self.config.port))
+        port = sock.getsockname()[1]  # the real port, also when 0 asked for any
+        origins = [None] + [o.rstrip("/") for o in self.config.allowed_origins] + [
+            f"http://{h}:{port}" for h in ("127.0.0.1", "localhost", self.config.host)
+        ]
+        self.server = await serve(
+            self._handle, sock=sock,
+            process_request=self._process_request, origins=origins,
+            max_size=4 * self.config.max_message_bytes, max_queue=32,
+            server_header="streamgrok",
+        )
+        return self.server
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+        if self.engine is not None:
+            await self.engine.stop()
+
+    @property
+    def port(self) -> int:
+        return self.server.sockets[0].getsockname()[1] if self.server else self.config.port
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        await ClientConnection(self, ws).serve()
+
+    def _authorized(self, request: Request) -> bool:
+        if not self.config.token:
+            return True
+        header = request.headers.get("Authorization", "")
+        offered = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        if not offered:
+            offered = (parse_qs(urlsplit(request.path).query).get("token") or [""])[0]
+        return hmac.compare_digest(offered.encode(), self.config.token.encode())
+
+    def _process_request(self, connection: ServerConnection, request: Request):
+        path = urlsplit(request.path).path
+        upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
+        if upgrade:
+            if path != "/ws":
+                return connection.respond(http.HTTPStatus.NOT_FOUND, "not found\n")
+            if not self._authorized(request):
+                return connection.respond(http.HTTPStatus.UNAUTHORIZED, "unauthorized\n")
+            return None
+        if path == "/metrics":
+            if not self._authorized(request):
+                return connection.respond(http.HTTPStatus.UNAUTHORIZED, "unauthorized\n")
+            body = self.metrics.render(self.engine.snapshot())
+            return _response(200, "OK", body, "text/plain; version=0.0.4; charset=utf-8")
+        name = "index.html" if path in ("/", "") else path.lstrip("/")
+        file = (self.config.static_dir / name).resolve()
+        if file.parent != self.config.static_dir.resolve() or not file.is_file() \
+                or file.suffix not in STATIC_TYPES:
+            return connection.respond(http.HTTPStatus.NOT_FOUND, "not found\n")
+        return _response(200, "OK", file.read_bytes(), STATIC_TYPES[file.suffix])
+
+
+def _response(status: int, reason: str, body: bytes, content_type: str) -> Response:
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
+                       ("Cache-Control", "no-store")])
+    return Response(status, reason, headers, body)
+
+
+async def serve_forever(loaded: LoadedModel, config: ServerConfig,
+                        cache: CacheConfig | None = None) -> None:
+    """Run until cancelled (Ctrl-C)."""
+    server = StreamgrokServer(loaded, config, cache)
+    await server.start()
+    print(f"streamgrok serving {config.pipeline_path} on http://{config.host}:{server.port}/ "
+          f"(websocket /ws, metrics /metrics)", flush=True)
+    try:
+        await server.server.serve_forever()
+    finally:
+        await server.stop()

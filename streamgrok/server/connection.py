@@ -1,0 +1,305 @@
+"""One websocket client: a pipeline run on an engine session, fed by pushed media."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from streamgrok.errors import StreamgrokError
+from streamgrok.media.decode import ByteFeed, decode_image, pcm16_chunk
+from streamgrok.media.items import AudioChunk
+from streamgrok.pipeline.events import Event
+from streamgrok.pipeline.loader import load_pipeline
+from streamgrok.pipeline.pipeline import PipelineRunner
+from streamgrok.server.protocol import ProtocolError, event, parse_binary, parse_text
+
+if TYPE_CHECKING:
+    from streamgrok.server.app import StreamgrokServer
+
+log = logging.getLogger(__name__)
+ESSENTIAL = {"response.done", "error", "session.started", "session.ended"}
+
+
+class ClientConnection:
+    """Owns one client's session; bad input gets an `error` event, never a crash."""
+
+    def __init__(self, server: StreamgrokServer, ws: ServerConnection) -> None:
+        self.server = server
+        self.ws = ws
+        self.config = server.config
+        self.runner: PipelineRunner | None = None
+        self.video_in = self.audio_in = None
+        self.feed: ByteFeed | None = None
+        self.decoder: asyncio.Future | None = None
+        self.decoder_stop = threading.Event()
+        self.tasks: list[asyncio.Task] = []
+        self.queries: dict[int, Any] = {}  # answer id -> client query id
+        self.answers: dict[Any, Any] = {}  # client query id -> Answer
+        self.frame_index = 0
+        self.media_times: deque[float] = deque()
+        self.outbox: deque[tuple[str, str]] = deque()
+        self.outbox_ready = asyncio.Event()
+        self.dropped_outbound = 0
+        self.closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        writer = asyncio.create_task(self._writer())
+        try:
+            while True:
+                try:
+                    raw = await asyncio.wait_for(self.ws.recv(), self.config.idle_timeout_s)
+                except TimeoutError:
+                    await self.ws.close(1000, "idle timeout")
+                    return
+                await self._handle_safely(raw)
+        except ConnectionClosed:
+            pass
+        finally:
+            self.closed = True
+            await self._end_session()
+            writer.cancel()
+
+    async def _handle_safely(self, raw: str | bytes) -> None:
+        message_id = None
+        try:
+            if isinstance(raw, bytes):
+                if len(raw) > self.config.max_message_bytes:
+                    raise ProtocolError("too_large", f"message of {len(raw)} bytes exceeds "
+                                        f"{self.config.max_message_bytes}")
+                await self._handle_media(parse_binary(raw))
+            else:
+                if len(raw) > self.config.max_message_bytes:
+                    raise ProtocolError("too_large", f"message of {len(raw)} characters "
+                                        f"exceeds {self.config.max_message_bytes}")
+                message = parse_text(raw)
+                message_id = message.get("id")
+                await self._handle_control(message)
+        except ProtocolError as exc:
+            self.error(exc.code, str(exc), exc.message_id or message_id)
+        except (StreamgrokError, ValueError) as exc:
+            self.error("bad_request", str(exc), message_id)
+        except Exception as exc:  # a bug must not take the connection down
+            log.exception("handling a client message failed")
+            self.error("internal", f"internal error: {type(exc).__name__}", message_id)
+
+    # -- control ---------------------------------------------------------------------------
+
+    async def _handle_control(self, message: dict) -> None:
+        kind = message["type"]
+        if kind == "session.start":
+            await self._start(message)
+            return
+        if self.runner is None:
+            raise ProtocolError("no_session", f"{kind} before session.start", message.get("id"))
+        if kind == "input.text":
+            await self.runner.session.append_message(message["text"])
+        elif kind == "query":
+            await self._query(message)
+        elif kind == "response.cancel":
+            answer = self.answers.get(message["query_id"])
+            if answer is None:
+                raise ProtocolError("unknown_query", f"no query {message['query_id']!r} in "
+                                    "flight", message.get("id"))
+            answer.cancel()
+        elif kind == "session.end":
+            await self._end_session()
+            self.send("session.ended")
+
+    async def _start(self, message: dict) -> None:
+        if self.runner is not None:
+            raise ProtocolError("session_exists", "session.start sent twice", message.get("id"))
+        if self.server.active_sessions >= self.config.max_sessions:
+            raise ProtocolError("busy", "the server has no room for another session")
+        options = {**self.config.pipeline_options, **(message.get("options") or {})}
+        options.setdefault("live", "true")
+        options.setdefault("hidden_size", self.server.loaded.config.hidden_size)
+        pipeline = load_pipeline(self.config.pipeline_path, options)
+        self.runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)])
+        self.runner.start()
+        self.server.active_sessions += 1
+        self.server.metrics.sessions.set(self.server.active_sessions)
+        self.video_in, self.audio_in = self.runner.ingest.open_inputs()
+        items = self.runner.ingest.process(self.video_in, self.audio_in)
+        running = asyncio.create_task(self.runner.run_items(items))
+        running.add_done_callback(self._pipeline_ended)
+        self.tasks.append(running)
+        self.tasks.append(asyncio.create_task(self._stats_loop()))
+        self.send("session.started", session_id=self.runner.session.id, pipeline=pipeline.name,
+                  model=self.server.loaded.source.name, id=message.get("id"))
+
+    def _pipeline_ended(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("pipeline of a client session failed", exc_info=error)
+        self.error("pipeline_failed", f"the session's pipeline stopped: "
+                   f"{type(error).__name__}: {error}")
+
+    async def _query(self, message: dict) -> None:
+        in_flight = sum(1 for a in self.answers.values() if not a.finished)
+        if in_flight >= self.config.max_inflight_queries:
+            raise ProtocolError("too_many_queries",
+                                f"{in_flight} queries in flight (max "
+                                f"{self.config.max_inflight_queries})", message.get("id"))
+        query_id = message.get("id") or f"q{len(self.answers) + 1}"
+        answer = self.runner.ask(message["text"])
+        self.queries[answer.id] = query_id
+        self.answers[query_id] = answer
+
+    # -- media -----------------------------------------------------------------------------
+
+    async def _handle_media(self, media) -> None:
+        if self.runner is None:
+            raise ProtocolError("no_session", "media before session.start")
+        now = time.monotonic()
+        while self.media_times and now - self.media_times[0] > 1.0:
+            self.media_times.popleft()
+        if len(self.media_times) >= self.config.max_media_per_second:
+            self.server.metrics.frames_dropped.inc()
+            raise ProtocolError("rate_limited", f"more than {self.config.max_media_per_second} "
+                                "media messages per second; this one was dropped")
+        self.media_times.append(now)
+        if media.kind == "video.frame":
+            try:
+                frame = decode_image(media.payload, media.timestamp, self.frame_index)
+            except ValueError as exc:
+                raise ProtocolError("bad_image", str(exc)) from exc
+            self.frame_index += 1
+            if not await self.video_in.put(frame):
+                self.server.metrics.frames_dropped.inc()
+        elif media.kind == "audio.pcm16":
+            try:
+                chunk: AudioChunk = pcm16_chunk(media.payload, media.timestamp)
+            except ValueError as exc:
+                raise ProtocolError("bad_audio", str(exc)) from exc
+            await self.audio_in.put(chunk)
+        else:
+            self._feed_container(media.payload)
+
+    def _feed_container(self, payload: bytes) -> None:
+        if self.feed is None:
+            self.feed = ByteFeed()
+            loop = asyncio.get_running_loop()
+            self.decoder = asyncio.ensure_future(asyncio.to_thread(
+                self.runner.ingest.decode_into, self.feed, self.video_in, self.audio_in, loop,
+                self.decoder_stop, None, False,
+            ))
+        try:
+            self.feed.feed(payload)
+        except ValueError as exc:
+            raise ProtocolError("bad_media", str(exc)) from exc
+
+    # -- events out ------------------------------------------------------------------------
+
+    def send(self, message_type: str, /, **fields: Any) -> None:
+        """Queue a server message for this client."""
+        self._queue(message_type, event(message_type, **fields))
+
+    async def deliver(self, item: Event) -> None:
+        """The pipeline's sink: translate pipeline events into protocol messages."""
+        kind = item.kind
+        answer_id = item.data.get("id")
+        query_id = self.queries.get(answer_id, f"auto-{answer_id}")
+        if kind.endswith(".question"):
+            if answer_id not in self.queries:  # a trigger asked: tell the client
+                self.send("event", kind=kind.split(".")[0], text=item.text, t=item.pts,
+                          query_id=query_id)
+        elif kind.endswith(".delta"):
+            self.send("response.delta", query_id=query_id, delta=item.text)
+        elif kind.endswith(".done"):
+            metrics = {k: v for k, v in item.data.items() if k not in ("id", "question")}
+            self.server.metrics.observe_answer(metrics)
+            self.send("response.done", query_id=query_id, text=item.text, **metrics)
+        elif kind == "error":
+            self.error("pipeline", item.text)
+        else:
+            self.send("event", kind=kind, text=item.text, t=item.pts, **item.data)
+
+    def _queue(self, kind: str, text: str) -> None:
+        if self.closed:
+            return
+        if len(self.outbox) >= self.config.outbound_queue:
+            victim = next((i for i, (k, _) in enumerate(self.outbox) if k not in ESSENTIAL),
+                          None)
+            if victim is None:
+                self.dropped_outbound += 1
+                return
+            del self.outbox[victim]
+            self.dropped_outbound += 1
+            self.server.metrics.outbound_dropped.inc()
+        self.outbox.append((kind, text))
+        self.outbox_ready.set()
+
+    async def _writer(self) -> None:
+        while True:
+            while not self.outbox:
+                self.outbox_ready.clear()
+                await self.outbox_ready.wait()
+            _, text = self.outbox.popleft()
+            try:
+                await self.ws.send(text)
+            except ConnectionClosed:
+                return
+
+    def error(self, code: str, message: str, message_id: Any = None) -> None:
+        self.server.metrics.errors.labels(code).inc()
+        self._queue("error", event("error", code=code, message=message, message_id=message_id))
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            self._queue("stats", event("stats", **self.stats()))
+
+    def stats(self) -> dict:
+        engine = self.server.engine
+        snap = engine.snapshot()
+        seq_id = self.runner.session._state.seq_id if self.runner else None
+        cache = engine.cache
+        layers = cache.layer_lengths(seq_id) if seq_id in cache.sequences else []
+        ingest = self.runner.ingest.stats if self.runner and self.runner.ingest else None
+        return {
+            "kv": {"pages_used": snap["kv_pages_used"], "pages_total": snap["kv_pages_total"],
+                   "layer_tokens": layers, "layer_budget": cache.budgets},
+            "evicted_tokens": snap["evicted_tokens"],
+            "retained": cache.retained(seq_id) if seq_id in cache.sequences else [],
+            "drops": {
+                "frames": (ingest.queue_dropped + ingest.pixel_dropped) if ingest else 0,
+                "outbound": self.dropped_outbound,
+            },
+            "stream_time": self.runner.stats.stream_time if self.runner else 0.0,
+            "latency": {"step_ms_p50": snap["step_ms_p50"], "step_ms_p95": snap["step_ms_p95"]},
+        }
+
+    async def _end_session(self) -> None:
+        if self.runner is None:
+            return
+        runner, self.runner = self.runner, None
+        self.decoder_stop.set()
+        if self.feed is not None:
+            self.feed.close_feed()
+        self.video_in.close()
+        self.audio_in.close()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()
+        if runner.session is not None and not runner.session.closed:
+            await runner.session.close()
+        self.server.active_sessions -= 1
+        self.server.metrics.sessions.set(self.server.active_sessions)
+
+
+class _Sink:
+    """Adapts ClientConnection.deliver to the pipeline's sink interface."""
+
+    def __init__(self, deliver) -> None:
+        self.send = deliver
