@@ -1,0 +1,153 @@
+// streamgrok browser assistant: camera frames (JPEG) and microphone (PCM16 16 kHz) over the
+// websocket protocol v1 (docs/PROTOCOL.md); questions and streamed answers; live KV panel.
+"use strict";
+
+const KIND = { frame: 1, chunk: 2, audio: 3 };
+const $ = (id) => document.getElementById(id);
+const token = new URLSearchParams(location.search).get("token");
+const wsUrl = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws` +
+  (token ? `?token=${encodeURIComponent(token)}` : "");
+let ws, started = false, t0 = performance.now(), queryCount = 0, frameTimer = null;
+
+function streamTime() { return (performance.now() - t0) / 1000; }
+
+function media(kind, payload) {
+  const header = new DataView(new ArrayBuffer(11));
+  header.setUint8(0, kind);
+  header.setUint16(1, 0, true);
+  header.setFloat64(3, streamTime(), true);
+  const message = new Uint8Array(11 + payload.byteLength);
+  message.set(new Uint8Array(header.buffer), 0);
+  message.set(new Uint8Array(payload), 11);
+  if (ws && ws.readyState === WebSocket.OPEN && ws.bufferedAmount < 4e6) ws.send(message);
+}
+
+function connect() {
+  ws = new WebSocket(wsUrl);
+  ws.binaryType = "arraybuffer";
+  ws.onopen = () => {
+    $("status").textContent = "connected";
+    ws.send(JSON.stringify({ type: "session.start", id: "start" }));
+  };
+  ws.onclose = () => { $("status").textContent = "disconnected"; started = false; };
+  ws.onmessage = (msg) => handle(JSON.parse(msg.data));
+}
+
+function handle(m) {
+  switch (m.type) {
+    case "session.started":
+      started = true;
+      $("status").textContent = `session ${m.session_id} · ${m.pipeline} · ${m.model}`;
+      break;
+    case "response.delta": answerBox(m.query_id).querySelector(".a").textContent += m.delta; break;
+    case "response.done": {
+      const box = answerBox(m.query_id);
+      box.querySelector(".a").textContent = m.text;
+      box.querySelector(".m").textContent =
+        `${m.tokens} tokens · first token ${m.ttft_ms} ms · ${m.tbt_ms_mean} ms/token · ${m.finish_reason}`;
+      box.dataset.done = "1";
+      break;
+    }
+    case "event": addEvent(`[${fmt(m.t)}] ${m.kind}: ${m.text}`, m.kind); break;
+    case "error": addEvent(`error ${m.code}: ${m.message}`, "error"); break;
+    case "stats": showStats(m); break;
+  }
+}
+
+function fmt(t) {
+  if (t === null || t === undefined) return "--:--";
+  const s = Math.floor(t); return `${String(Math.floor(s / 60)).padStart(2, "0")}:${String(s % 60).padStart(2, "0")}`;
+}
+
+function answerBox(id) {
+  let box = document.querySelector(`.qa[data-id="${CSS.escape(String(id))}"]`);
+  if (!box) {
+    box = document.createElement("div");
+    box.className = "qa"; box.dataset.id = id;
+    box.innerHTML = '<div class="q"></div><div class="a"></div><div class="m"></div>';
+    box.querySelector(".q").textContent = `(${id})`;
+    $("answers").appendChild(box);
+  }
+  return box;
+}
+
+function addEvent(text, kind) {
+  const li = document.createElement("li");
+  li.textContent = text; li.className = kind;
+  $("events").prepend(li);
+  while ($("events").children.length > 200) $("events").lastChild.remove();
+}
+
+function showStats(s) {
+  const kv = s.kv;
+  $("kv").textContent = `${kv.pages_used} / ${kv.pages_total} pages · evicted ${s.evicted_tokens} tokens` +
+    ` · step p50 ${Math.round(s.latency.step_ms_p50 || 0)} ms`;
+  $("drops").textContent = `dropped: ${s.drops.frames} frames, ${s.drops.outbound} messages`;
+  const layers = $("layers").getContext("2d"), W = 300, H = 60;
+  layers.clearRect(0, 0, W, H);
+  const n = kv.layer_tokens.length, bw = W / Math.max(1, n);
+  kv.layer_tokens.forEach((tokens, i) => {
+    const budget = kv.layer_budget[i] || Math.max(...kv.layer_tokens, 1);
+    const h = Math.min(1, tokens / budget) * (H - 2);
+    layers.fillStyle = "#3a63d8"; layers.fillRect(i * bw + 1, H - h, bw - 2, h);
+  });
+  const tl = $("timeline").getContext("2d"); tl.clearRect(0, 0, W, 40);
+  const end = Math.max(s.stream_time, 1);
+  for (const r of s.retained) {
+    tl.fillStyle = r.modality === "frame" ? "#3a63d8" : r.modality === "audio" ? "#1e8e3e" : "#e37400";
+    tl.fillRect((r.t / end) * (W - 3), r.modality === "frame" ? 4 : 22, 3, 14);
+  }
+}
+
+async function startMedia() {
+  const stream = await navigator.mediaDevices.getUserMedia({ video: { width: 640 }, audio: true });
+  $("camera").srcObject = stream;
+  const canvas = $("grab"), ctx = canvas.getContext("2d");
+  const sendFrame = () => {
+    const v = $("camera");
+    if (!started || !v.videoWidth) return;
+    canvas.width = 320; canvas.height = Math.round(320 * v.videoHeight / v.videoWidth);
+    ctx.drawImage(v, 0, 0, canvas.width, canvas.height);
+    canvas.toBlob(async (blob) => media(KIND.frame, await blob.arrayBuffer()), "image/jpeg", 0.7);
+  };
+  const restart = () => {
+    clearInterval(frameTimer);
+    frameTimer = setInterval(sendFrame, 1000 / Math.max(0.5, Number($("fps").value) || 1));
+  };
+  $("fps").onchange = restart; restart();
+  if (stream.getAudioTracks().length) await startAudio(stream);
+  $("start").disabled = true;
+}
+
+async function startAudio(stream) {
+  const ac = new AudioContext({ sampleRate: 16000 });
+  const worklet = `class Tap extends AudioWorkletProcessor {
+    constructor() { super(); this.buf = []; this.n = 0; }
+    process(inputs) {
+      const ch = inputs[0][0]; if (!ch) return true;
+      this.buf.push(new Float32Array(ch)); this.n += ch.length;
+      if (this.n >= 4000) { this.port.postMessage(this.buf); this.buf = []; this.n = 0; }
+      return true; } }
+    registerProcessor("tap", Tap);`;
+  await ac.audioWorklet.addModule(URL.createObjectURL(new Blob([worklet], { type: "text/javascript" })));
+  const node = new AudioWorkletNode(ac, "tap");
+  node.port.onmessage = (e) => {
+    const total = e.data.reduce((a, b) => a + b.length, 0), pcm = new Int16Array(total);
+    let i = 0;
+    for (const block of e.data) for (const x of block) pcm[i++] = Math.max(-1, Math.min(1, x)) * 32767;
+    if (started) media(KIND.audio, pcm.buffer);
+  };
+  ac.createMediaStreamSource(stream).connect(node);
+}
+
+$("start").onclick = () => startMedia().catch((err) => addEvent(`media: ${err}`, "error"));
+$("ask").onsubmit = (e) => {
+  e.preventDefault();
+  const text = $("question").value.trim();
+  if (!text || !started) return;
+  const id = `q${++queryCount}`;
+  answerBox(id).querySelector(".q").textContent = text;
+  ws.send(JSON.stringify({ type: "query", id, text }));
+  $("question").value = "";
+};
+connect();
