@@ -219,9 +219,9 @@ class Engine:
         return after[len(before):]
 
     def _end_of_turn_tokens(self) -> list[int]:
-        if not self.tokenizer.chat_template:
-            return [self.tokenizer.encode("\n")[0]] if self.tokenizer.encode("\n") else []
-        return [self.tokenizer.eos_id, *self.tokenizer.encode("\n")]
+        """What closes a remembered answer: end of turn in the chat template, else a newline."""
+        newline = self.tokenizer.encode("\n")
+        return [self.tokenizer.eos_id, *newline] if self.tokenizer.chat_template else newline
 
     # -- engine thread ---------------------------------------------------------------------
 

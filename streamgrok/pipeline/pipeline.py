@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -97,7 +97,6 @@ class PipelineRunner:
         """Run stages, session and triggers on an ingest stream until it ends."""
         self.start()
         pipeline = self.pipeline
-        source_items = items
         triggers = list(pipeline.triggers) + list(asks or [])
         stages = pipeline.stages
         channels = [Channel(s.edge.capacity, s.edge.policy, s.name) for s in stages]
@@ -107,7 +106,7 @@ class PipelineRunner:
 
         async def produce() -> None:
             try:
-                async for item in source_items:
+                async for item in items:
                     await channels[0].put(item)
             finally:
                 channels[0].close()
@@ -205,5 +204,3 @@ class PipelineRunner:
             "evicted_tokens": snap["evicted_tokens"],
         }
 
-
-Report = Callable[[Event], Awaitable[None]]
