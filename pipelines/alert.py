@@ -35,5 +35,6 @@ def build_pipeline(options: dict) -> Pipeline:
             "At {time} the camera noted: {note}. In one short sentence, what just happened?",
             tags=watch, cooldown=option(options, "cooldown", 5.0),
         )],
-        sampling=SamplingParams(max_tokens=option(options, "max_tokens", 32)),
+        sampling=SamplingParams(max_tokens=option(options, "max_tokens", 32),
+                                repetition_penalty=1.3),
     )

@@ -15,7 +15,8 @@ def build_pipeline(options: dict) -> Pipeline:
         ingest=IngestConfig(fps=option(options, "fps", 1.0), live=option(options, "live", False)),
         triggers=[Every(f"Describe in one sentence what changed in the last {every:g} seconds.",
                         seconds=every, kind="commentary")],
-        sampling=SamplingParams(max_tokens=option(options, "max_tokens", 40)),
+        sampling=SamplingParams(max_tokens=option(options, "max_tokens", 40),
+                                repetition_penalty=1.3),
         clip=clip,
         projector=projector,
     )

@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--seed", type=int, default=None)
     chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--repetition-penalty", type=float, default=1.0)
     _add_model_options(chat)
 
     info = commands.add_parser("info", help="print model, parameters, dtype, device, threads")
@@ -120,6 +121,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
         max_tokens=args.max_tokens,
     )
     questions = [args.question] if args.question else _interactive_questions()

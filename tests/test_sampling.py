@@ -45,3 +45,13 @@ def test_seed_reproduces_and_varies():
 def test_bad_parameters_are_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_repetition_penalty_discourages_produced_tokens():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    params = SamplingParams(repetition_penalty=1.5)
+    assert sample(logits.clone(), [params], [None], [[]]).item() == 0
+    assert sample(logits.clone(), [params], [None], [[0]]).item() == 1  # 2.0/1.5 < 1.9
+    assert sample(logits.clone(), [SamplingParams()], [None], [[0]]).item() == 0  # off
+    with pytest.raises(ValueError):
+        SamplingParams(repetition_penalty=0)

@@ -42,7 +42,7 @@ class ModelRunner:
                 continue
             answers = [plan.spans[i].answer for i in sampling]
             tokens = sample(part_logits, [a.sampling for a in answers],
-                            [a.generator for a in answers])
+                            [a.generator for a in answers], [a.generated for a in answers])
             sampled.update(zip(sampling, tokens.tolist()))  # one host sync per nano-batch
         return sampled
 

@@ -87,9 +87,13 @@ class Generator:
         batch = BatchMetadata.build(range(len(prompts)), [len(p) for p in prompts], device)
         logits = model(ids, batch, self.cache)
         running = list(range(len(prompts)))
+        produced: list[list[int]] = [[] for _ in prompts]
         for step in range(params.max_tokens):
-            tokens = sample(logits, [params] * len(running), [generators[i] for i in running])
+            tokens = sample(logits, [params] * len(running), [generators[i] for i in running],
+                            [produced[i] for i in running])
             new = list(zip(running, tokens.tolist()))
+            for i, token in new:
+                produced[i].append(token)
             yield new
             if step == params.max_tokens - 1:
                 return

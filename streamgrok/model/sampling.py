@@ -15,6 +15,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0  # > 1 discourages tokens the answer already produced
     max_tokens: int = 256
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
 
@@ -25,6 +26,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
@@ -57,12 +60,27 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def penalize_repeats(logits: torch.Tensor, history: list[int], penalty: float) -> None:
+    """CTRL-style repetition penalty, in place on one row: tokens already produced get their
+    logit divided by `penalty` (multiplied when negative)."""
+    if penalty == 1.0 or not history:
+        return
+    seen = torch.tensor(sorted(set(history)), device=logits.device)
+    values = logits[seen]
+    logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    histories: list[list[int]] | None = None,
 ) -> torch.Tensor:
-    """One token per row of logits [B, V]; greedy rows need no generator."""
+    """One token per row of logits [B, V]; greedy rows need no generator. `histories` are
+    the tokens each row's answer produced so far (for the repetition penalty)."""
+    if histories is not None:
+        for row, (p, history) in enumerate(zip(params, histories)):
+            penalize_repeats(logits[row], history, p.repetition_penalty)
     tokens = logits.argmax(-1)
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:

@@ -43,7 +43,9 @@ class Pipeline:
     system_prompt: str = DEFAULT_SYSTEM
     stages: list[Stage] = field(default_factory=list)
     triggers: list[Trigger] = field(default_factory=list)
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=64))
+    sampling: SamplingParams = field(
+        default_factory=lambda: SamplingParams(max_tokens=64, repetition_penalty=1.3)
+    )
     clip: ClipEncoder | None = None
     projector: Projector | None = None
 
