@@ -52,8 +52,8 @@ def reference(
         k = k_pool[slots].float()
         half = dim // 2
         c, s = cos[:n, None, :].float(), sin[:n, None, :].float()
-        k = torch.cat((k[..., :half] * c - k[..., half:] * s, k[..., half:] * c + k[..., :half] * s),
-                      dim=-1)
+        k1, k2 = k[..., :half], k[..., half:]
+        k = torch.cat((k1 * c - k2 * s, k2 * c + k1 * s), dim=-1)
         v = v_pool[slots].float()
         qb = q[b].float().view(kv_heads, group, dim)
         scores = torch.einsum("hgd,nhd->hgn", qb, k) / math.sqrt(dim)
@@ -83,13 +83,14 @@ if triton is not None:
         g_ok = g < GROUP
         heads = kvh * GROUP + g
         d = tl.arange(0, DIM)
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=g_ok[:, None], other=0.0).to(tl.float32)
+        dh = tl.arange(0, HALF)
+        q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        q1 = tl.load(q_rows + dh[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q_rows + HALF + dh[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, DIM], tl.float32)
         t = tl.arange(0, PAGE)
-        dh = tl.arange(0, HALF)
         first_page = split * pages_per_split
         for p in range(0, pages_per_split):
             page_index = first_page + p
@@ -108,10 +109,6 @@ if triton is not None:
                             mask=valid[:, None], other=0.0)
                 r1 = k1 * c - k2 * s  # rotate keys in registers (cache-relative positions)
                 r2 = k2 * c + k1 * s
-                q1 = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dh[None, :],
-                             mask=g_ok[:, None], other=0.0).to(tl.float32)
-                q2 = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + HALF
-                             + dh[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
                 scores = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * scale
                 scores = tl.where(valid[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m, tl.max(scores, 1))
