@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from streamgrok.model.rotary import apply_rotary
+
 try:
     import triton
     import triton.language as tl
@@ -49,11 +51,7 @@ def reference(
         n = int(lengths[b])
         pos = torch.arange(n, device=q.device)
         slots = block_tables[b][pos // page_size] * page_size + pos % page_size
-        k = k_pool[slots].float()
-        half = dim // 2
-        c, s = cos[:n, None, :].float(), sin[:n, None, :].float()
-        k1, k2 = k[..., :half], k[..., half:]
-        k = torch.cat((k1 * c - k2 * s, k2 * c + k1 * s), dim=-1)
+        k = apply_rotary(k_pool[slots].float(), cos[:n].float(), sin[:n].float())
         v = v_pool[slots].float()
         qb = q[b].float().view(kv_heads, group, dim)
         scores = torch.einsum("hgd,nhd->hgn", qb, k) / math.sqrt(dim)
@@ -64,6 +62,41 @@ def reference(
 
 
 if triton is not None:
+
+    @triton.jit
+    def _query_halves(q_ptr, b, heads, g_ok, stride_qb, stride_qh, HALF: tl.constexpr):
+        """The two rotary halves of the (rotated) queries of one KV head group, [G, D/2]."""
+        dh = tl.arange(0, HALF)
+        rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+        q1 = tl.load(rows + dh[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(rows + HALF + dh[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+        return q1, q2
+
+    @triton.jit
+    def _page_scores(
+        q1, q2, k_ptr, tables_ptr, cos_ptr, sin_ptr, b, kvh, page_index, length,
+        stride_ks, stride_kh, stride_tb, stride_cos, scale,
+        PAGE: tl.constexpr, HALF: tl.constexpr,
+    ):
+        """Scores [G, PAGE] of one page: keys loaded through the page table and rotated in
+        registers by their cache position. Returns scores, slots and which tokens exist."""
+        t = tl.arange(0, PAGE)
+        dh = tl.arange(0, HALF)
+        pos = page_index * PAGE + t
+        valid = pos < length
+        page = tl.load(tables_ptr + b * stride_tb + page_index)
+        slot = page * PAGE + t
+        base = k_ptr + slot[:, None] * stride_ks + kvh * stride_kh
+        k1 = tl.load(base + dh[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        k2 = tl.load(base + HALF + dh[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + pos[:, None] * stride_cos + dh[None, :], mask=valid[:, None],
+                    other=0.0)
+        s = tl.load(sin_ptr + pos[:, None] * stride_cos + dh[None, :], mask=valid[:, None],
+                    other=0.0)
+        r1 = k1 * c - k2 * s
+        r2 = k2 * c + k1 * s
+        scores = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * scale
+        return scores, slot, valid, pos
 
     @triton.jit
     def _partial_kernel(
@@ -83,33 +116,18 @@ if triton is not None:
         g_ok = g < GROUP
         heads = kvh * GROUP + g
         d = tl.arange(0, DIM)
-        dh = tl.arange(0, HALF)
-        q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-        q1 = tl.load(q_rows + dh[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(q_rows + HALF + dh[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+        q1, q2 = _query_halves(q_ptr, b, heads, g_ok, stride_qb, stride_qh, HALF)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, DIM], tl.float32)
-        t = tl.arange(0, PAGE)
         first_page = split * pages_per_split
         for p in range(0, pages_per_split):
             page_index = first_page + p
-            pos = page_index * PAGE + t
-            valid = pos < length
             if page_index * PAGE < length:
-                page = tl.load(tables_ptr + b * stride_tb + page_index)
-                slot = page * PAGE + t
-                base = k_ptr + slot[:, None] * stride_ks + kvh * stride_kh
-                k1 = tl.load(base + dh[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-                k2 = tl.load(base + HALF + dh[None, :], mask=valid[:, None],
-                             other=0.0).to(tl.float32)
-                c = tl.load(cos_ptr + pos[:, None] * stride_cos + dh[None, :],
-                            mask=valid[:, None], other=0.0)
-                s = tl.load(sin_ptr + pos[:, None] * stride_cos + dh[None, :],
-                            mask=valid[:, None], other=0.0)
-                r1 = k1 * c - k2 * s  # rotate keys in registers (cache-relative positions)
-                r2 = k2 * c + k1 * s
-                scores = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * scale
+                scores, slot, valid, pos = _page_scores(
+                    q1, q2, k_ptr, tables_ptr, cos_ptr, sin_ptr, b, kvh, page_index, length,
+                    stride_ks, stride_kh, stride_tb, stride_cos, scale, PAGE, HALF,
+                )
                 scores = tl.where(valid[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m, tl.max(scores, 1))
                 alpha = tl.exp(m - m_new)
@@ -140,26 +158,11 @@ if triton is not None:
             g = tl.arange(0, BLOCK_G)
             g_ok = g < GROUP
             heads = kvh * GROUP + g
-            t = tl.arange(0, PAGE)
-            dh = tl.arange(0, HALF)
-            pos = page_index * PAGE + t
-            valid = pos < length
-            page = tl.load(tables_ptr + b * stride_tb + page_index)
-            slot = page * PAGE + t
-            base = k_ptr + slot[:, None] * stride_ks + kvh * stride_kh
-            k1 = tl.load(base + dh[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            k2 = tl.load(base + HALF + dh[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            c = tl.load(cos_ptr + pos[:, None] * stride_cos + dh[None, :], mask=valid[:, None],
-                        other=0.0)
-            s = tl.load(sin_ptr + pos[:, None] * stride_cos + dh[None, :], mask=valid[:, None],
-                        other=0.0)
-            r1 = k1 * c - k2 * s
-            r2 = k2 * c + k1 * s
-            q1 = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dh[None, :],
-                         mask=g_ok[:, None], other=0.0).to(tl.float32)
-            q2 = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + HALF + dh[None, :],
-                         mask=g_ok[:, None], other=0.0).to(tl.float32)
-            scores = (tl.dot(q1, tl.trans(r1)) + tl.dot(q2, tl.trans(r2))) * scale
+            q1, q2 = _query_halves(q_ptr, b, heads, g_ok, stride_qb, stride_qh, HALF)
+            scores, _, valid, pos = _page_scores(
+                q1, q2, k_ptr, tables_ptr, cos_ptr, sin_ptr, b, kvh, page_index, length,
+                stride_ks, stride_kh, stride_tb, stride_cos, scale, PAGE, HALF,
+            )
             lse = tl.load(lse_ptr + b * stride_lb + heads * stride_lh, mask=g_ok, other=0.0)
             probs = tl.exp(scores - lse[:, None])
             probs = tl.where(g_ok[:, None] & valid[None, :], probs, 0.0)

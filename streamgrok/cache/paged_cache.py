@@ -295,11 +295,7 @@ class PagedKVCache:
         totals = [s + n for s, n in zip(starts, counts)]
         most_q, most_k = max(counts), max(totals)
         device = self.device
-        slot_matrix = pad_sequence([rec.slots(0, t) for rec, t in zip(records, totals)],
-                                   batch_first=True)
-        k, v = self.pool.read(slot_matrix.to(device))  # [b, most_k, kvh, d]
-        cos, sin = self.rotary.cos_sin(torch.arange(most_k, device=device))
-        k = apply_rotary(k, cos, sin)
+        k, v = self._read_rotated(records, totals)  # [b, most_k, kvh, d]
         offsets = torch.arange(most_q, device=device)
         rows = torch.stack([torch.clamp(offsets, max=n - 1) + row
                             for (_, row, n) in spans])  # [b, most_q] (padding repeats)
@@ -316,15 +312,18 @@ class PagedKVCache:
         for i, (_, row, n) in enumerate(spans):
             out[row : row + n] = result[i, :n].to(out.dtype)
 
+    def _read_rotated(self, records: list[LayerTokens], totals: list[int]):
+        """K (rotated by cache position) and V of the first totals[i] tokens of each record,
+        padded to [b, max(totals), kv_heads, head_dim]; padding reads slot 0, callers mask it."""
+        slot_matrix = pad_sequence([rec.slots(0, t) for rec, t in zip(records, totals)],
+                                   batch_first=True)
+        k, v = self.pool.read(slot_matrix.to(self.device))
+        cos, sin = self.rotary.cos_sin(torch.arange(max(totals), device=self.device))
+        return apply_rotary(k, cos, sin), v
+
     def _attend_decode(self, q, out, spans, records, starts) -> None:
         lengths = torch.tensor([s + 1 for s in starts], device=self.device)
-        longest = int(lengths.max())
-        slot_matrix = pad_sequence(  # padding reads slot 0; the mask hides it
-            [rec.slots(0, s + 1) for rec, s in zip(records, starts)], batch_first=True
-        )
-        k, v = self.pool.read(slot_matrix.to(self.device))  # [b, n, kvh, d]
-        cos, sin = self.rotary.cos_sin(torch.arange(longest, device=self.device))
-        k = apply_rotary(k, cos, sin)
+        k, v = self._read_rotated(records, [s + 1 for s in starts])  # [b, n, kvh, d]
         rows = torch.tensor([row for _, row, _ in spans], device=self.device)
         q_rot = self.rotary.rotate(q[rows], lengths - 1)
         want_mass = self.scorer.accumulates_attention
