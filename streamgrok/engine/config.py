@@ -33,7 +33,7 @@ class EngineConfig:
     protect_answers: bool = True
     max_protected_fraction: float = 0.5
     max_sessions: int = 256
-    recent_steps: int = 1024
+    recent_steps: int = 1024  # step records kept for the p50/p95 step-time stats
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.step_tokens < 1 or self.nano_batches < 1:

@@ -8,6 +8,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 import torch
@@ -50,7 +51,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.cache)
         self.runner = ModelRunner(loaded.model, self.cache, self.config.nano_batches,
                                   self.config.length_ratio)
-        self.stats = EngineStats()
+        self.stats = EngineStats(recent=deque(maxlen=self.config.recent_steps))
         self._sessions: dict[int, SessionState] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -256,10 +257,16 @@ class Engine:
     def _fail_in_flight(self, message: str) -> None:
         for session in list(self._sessions.values()):
             for answer in list(session.answers.values()):
-                if answer.seq_id in self.cache.sequences:
-                    self.cache.remove_sequence(answer.seq_id)
-                session.answers.pop(answer.answer_id, None)
-                self._fail(answer, message)
+                self._abort_answer(session, answer, message)
+
+    def _abort_answer(self, session: SessionState | None, answer: AnswerState,
+                      message: str) -> None:
+        """Free the answer's fork, forget it, and send its consumer the error."""
+        if answer.seq_id in self.cache.sequences:
+            self.cache.remove_sequence(answer.seq_id)
+        if session is not None:
+            session.answers.pop(answer.answer_id, None)
+        self._fail(answer, message)
 
     def _active_sessions(self) -> list[SessionState]:
         return [s for s in self._sessions.values() if s.registered and not s.closing]
@@ -439,12 +446,8 @@ class Engine:
     def _fail_plan(self, plan: StepPlan, message: str) -> None:
         for span in plan.spans:
             if span.answer is not None:
-                session = self._sessions.get(span.answer.session_id)
-                if span.answer.seq_id in self.cache.sequences:
-                    self.cache.remove_sequence(span.answer.seq_id)
-                if session is not None:
-                    session.answers.pop(span.answer.answer_id, None)
-                self._fail(span.answer, message)
+                self._abort_answer(self._sessions.get(span.answer.session_id), span.answer,
+                                   message)
             else:
                 for item, _ in span.items:  # drop the media that broke the step
                     item.done = len(item)
