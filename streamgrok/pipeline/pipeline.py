@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from streamgrok.channel import Channel
 from streamgrok.engine import Engine
 from streamgrok.engine.session import Answer, Session
 from streamgrok.media.clip import ClipEncoder
@@ -21,7 +20,7 @@ from streamgrok.media.items import FrameTokens, MediaError, Note
 from streamgrok.media.projector import Projector
 from streamgrok.model.sampling import SamplingParams
 from streamgrok.pipeline.events import Event
-from streamgrok.pipeline.stage import Stage, run_stage
+from streamgrok.pipeline.stage import Stage, start_chain
 from streamgrok.pipeline.triggers import At, Trigger
 
 DEFAULT_SYSTEM = (
@@ -100,11 +99,7 @@ class PipelineRunner:
         self.start()
         pipeline = self.pipeline
         triggers = list(pipeline.triggers) + list(asks or [])
-        stages = pipeline.stages
-        channels = [Channel(s.edge.capacity, s.edge.policy, s.name) for s in stages]
-        channels.append(Channel(64, "block", "session"))
-        tasks = [asyncio.create_task(run_stage(s, channels[i], channels[i + 1], self.send))
-                 for i, s in enumerate(stages)]
+        channels, tasks = start_chain(pipeline.stages, self.send, sink="session")
 
         async def produce() -> None:
             try:

@@ -74,6 +74,21 @@ async def run_stage(stage: Stage, inbox: Channel, outbox: Channel,
         outbox.close()
 
 
+def start_chain(
+    stages: list[Stage], report: Callable[[Event], Awaitable[None]], sink: str = "sink",
+    source: Channel | None = None,
+) -> tuple[list[Channel], list[asyncio.Task]]:
+    """Channels (one in front of each stage, its edge; then the sink's) and the running stage
+    tasks. Put items into channels[0] (or `source`), read results from channels[-1]."""
+    channels = [Channel(s.edge.capacity, s.edge.policy, s.name) for s in stages]
+    channels.append(Channel(64, "block", sink))
+    if source is not None:
+        channels[0] = source
+    tasks = [asyncio.create_task(run_stage(s, channels[i], channels[i + 1], report))
+             for i, s in enumerate(stages)]
+    return channels, tasks
+
+
 async def run_chain(stages: list[Stage], items: list[Any] | None = None,
                     source: Channel | None = None) -> tuple[list[Any], list[Event]]:
     """Test harness: run stages between a fake source (items) and a collecting sink."""
@@ -82,12 +97,7 @@ async def run_chain(stages: list[Stage], items: list[Any] | None = None,
     async def report(event: Event) -> None:
         events.append(event)
 
-    channels = [Channel(s.edge.capacity, s.edge.policy, s.name) for s in stages]
-    channels.append(Channel(64, "block", "sink"))
-    if source is not None:
-        channels[0] = source
-    tasks = [asyncio.create_task(run_stage(s, channels[i], channels[i + 1], report))
-             for i, s in enumerate(stages)]
+    channels, tasks = start_chain(stages, report, source=source)
 
     async def feed() -> None:
         for item in items or []:
