@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from streamgrok.media.items import Note
+from streamgrok.media.items import Note, format_time
 
 
 @dataclass
@@ -69,5 +69,5 @@ class OnNote(Trigger):
         )
         if hit and note.pts - self._last >= self.cooldown:
             self._last = note.pts
-            return self.question.format(note=note.text, time=note.stamped().split("]")[0] + "]")
+            return self.question.format(note=note.text, time=f"[{format_time(note.pts)}]")
         return None

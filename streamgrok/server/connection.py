@@ -71,15 +71,13 @@ class ClientConnection:
     async def _handle_safely(self, raw: str | bytes) -> None:
         message_id = None
         try:
+            if len(raw) > self.config.max_message_bytes:
+                unit = "bytes" if isinstance(raw, bytes) else "characters"
+                raise ProtocolError("too_large", f"message of {len(raw)} {unit} exceeds "
+                                    f"{self.config.max_message_bytes}")
             if isinstance(raw, bytes):
-                if len(raw) > self.config.max_message_bytes:
-                    raise ProtocolError("too_large", f"message of {len(raw)} bytes exceeds "
-                                        f"{self.config.max_message_bytes}")
                 await self._handle_media(parse_binary(raw))
             else:
-                if len(raw) > self.config.max_message_bytes:
-                    raise ProtocolError("too_large", f"message of {len(raw)} characters "
-                                        f"exceeds {self.config.max_message_bytes}")
                 message = parse_text(raw)
                 message_id = message.get("id")
                 await self._handle_control(message)
