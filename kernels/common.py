@@ -1,0 +1,72 @@
+"""Triton helpers shared by the attention kernels: paged key/value blocks, query halves.
+
+Keys are stored before rotary (cache-relative positions); a key block is rotated in registers
+by its positions, in the half-split layout (x[:d/2] pairs with x[d/2:]). int8 entries are
+dequantized in registers with their per-(token, head) scale.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with torch here
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def load_key_block(
+        k_ptr, ks_ptr, tables_ptr, cos_ptr, sin_ptr, table_row, kvh, n0, bound,
+        stride_ks, stride_kh, stride_ss, stride_cos,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr,
+    ):
+        """Keys at positions n0..n0+BLOCK_N-1 (those below `bound` valid) of one KV head,
+        found through the page table row, dequantized and rotated: (k1, k2) halves [N, D/2]
+        in float32, plus slots [N] (int64), valid [N] and positions [N]."""
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < bound
+        page = tl.load(tables_ptr + table_row + pos // PAGE, mask=valid, other=0)
+        slot = page.to(tl.int64) * PAGE + pos % PAGE
+        dh = tl.arange(0, HALF)
+        base = k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + dh[None, :]
+        k1 = tl.load(base, mask=valid[:, None], other=0.0).to(tl.float32)
+        k2 = tl.load(base + HALF, mask=valid[:, None], other=0.0).to(tl.float32)
+        if QUANT:
+            scale = tl.load(ks_ptr + slot * stride_ss + kvh, mask=valid, other=0.0)
+            k1 = k1 * scale.to(tl.float32)[:, None]
+            k2 = k2 * scale.to(tl.float32)[:, None]
+        trig = pos[:, None] * stride_cos + dh[None, :]
+        c = tl.load(cos_ptr + trig, mask=valid[:, None], other=0.0)
+        s = tl.load(sin_ptr + trig, mask=valid[:, None], other=0.0)
+        return k1 * c - k2 * s, k2 * c + k1 * s, slot, valid, pos
+
+    @triton.jit
+    def load_value_block(
+        v_ptr, vs_ptr, slot, valid, kvh, stride_vs, stride_vh, stride_ss,
+        DIM: tl.constexpr, QUANT: tl.constexpr,
+    ):
+        """Values [N, D] in float32 at `slot` of one KV head (zero where not valid)."""
+        d = tl.arange(0, DIM)
+        v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
+                    mask=valid[:, None], other=0.0).to(tl.float32)
+        if QUANT:
+            scale = tl.load(vs_ptr + slot * stride_ss + kvh, mask=valid, other=0.0)
+            v = v * scale.to(tl.float32)[:, None]
+        return v
+
+    @triton.jit
+    def load_query_halves(rows_ptr, row_ok, HALF: tl.constexpr):
+        """The two rotary halves [R, D/2] (float32) of query rows given by row pointers [R]."""
+        dh = tl.arange(0, HALF)
+        q1 = tl.load(rows_ptr[:, None] + dh[None, :], mask=row_ok[:, None], other=0.0)
+        q2 = tl.load(rows_ptr[:, None] + HALF + dh[None, :], mask=row_ok[:, None], other=0.0)
+        return q1.to(tl.float32), q2.to(tl.float32)
+
+
+def kernel_flags(kv) -> dict:
+    """Strides and pointers for int8 scales, or stand-ins when the pool is not quantized."""
+    if kv.quantized:
+        return {"ks": kv.k_scale, "vs": kv.v_scale, "stride_ss": kv.k_scale.stride(0),
+                "QUANT": True}
+    return {"ks": kv.k, "vs": kv.v, "stride_ss": 0, "QUANT": False}

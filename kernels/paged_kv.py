@@ -1,0 +1,51 @@
+"""The paged K/V storage the attention kernels read: pools, optional int8 scales, page size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """Views of a page pool. Slot s = page * page_size + offset holds k[s], v[s] of shape
+    [kv_heads, head_dim]. With int8 storage, k_scale/v_scale [slots, kv_heads] (float16) hold
+    one scale per token and head; the value is int8 * scale."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    page_size: int
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[2]
+
+    def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V at `slots` (any shape), dequantized to `dtype`."""
+        if self.quantized:
+            return (
+                (self.k[slots].float() * self.k_scale[slots].float()[..., None]).to(dtype),
+                (self.v[slots].float() * self.v_scale[slots].float()[..., None]).to(dtype),
+            )
+        return self.k[slots].to(dtype), self.v[slots].to(dtype)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every stored tensor indexed by slot: k, v and, for int8, their scales."""
+        return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.quantized else ())
+
+
+def table_slots(block_tables: torch.Tensor, width: int, page_size: int) -> torch.Tensor:
+    """Slot of each position 0..width-1 of every row of `block_tables` [B, pages], [B, width]."""
+    pos = torch.arange(width, device=block_tables.device)
+    return block_tables[:, pos // page_size].long() * page_size + pos % page_size
