@@ -165,7 +165,7 @@ def paged_decode_attention(
     width = block_tables.shape[1] * kv.page_size
     if splits is None:
         splits = default_splits(batch, kv_heads, width, q.device)
-    per_split = -(-(-(-width // splits)) // block_n) * block_n
+    per_split = triton.cdiv(triton.cdiv(width, splits), block_n) * block_n
     partial = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     scores = (torch.empty(batch, heads, width, dtype=torch.float32, device=q.device)

@@ -10,7 +10,7 @@ from helpers import random_model, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamgrok.cache.attention import chunk_attention
+from kernels.paged_prefill_attention import dense_chunk_attention
 from streamgrok.cache.config import CacheConfig, pyramid_budgets
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.tokens import PROTECTED, SOURCE, STREAM
@@ -172,7 +172,7 @@ def test_attention_after_compaction_equals_recomputation(policy):
     keys = torch.cat([k_all[kept], k_new])
     values = torch.cat([v_all[kept], v_new])
     positions = torch.arange(41)
-    want, _ = chunk_attention(
+    want, _ = dense_chunk_attention(
         cache.rotary.rotate(q, positions[-1:]), cache.rotary.rotate(keys, positions), values,
         past=40, mass_rows=None,
     )

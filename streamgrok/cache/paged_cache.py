@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
-from streamgrok.cache.attention import chunk_attention, decode_attention
+from kernels.ops import KernelOps
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
@@ -27,7 +27,7 @@ from streamgrok.cache.tokens import (
 from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.config import ModelConfig
-from streamgrok.model.rotary import Rotary, apply_rotary
+from streamgrok.model.rotary import Rotary
 from streamgrok.stream_tokens import Modality, TokenInfo
 
 
@@ -68,8 +68,10 @@ class PagedKVCache:
         compute_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         num_pages: int | None = None,
+        kernels: KernelOps | None = None,
     ) -> None:
         self.model_config = model_config
+        self.kernels = kernels or KernelOps()
         self.config = config or CacheConfig()
         self.device = torch.device(device)
         page_bytes = self.config.page_bytes(model_config)
@@ -266,85 +268,60 @@ class PagedKVCache:
         v: torch.Tensor,
         batch: BatchMetadata,
     ) -> torch.Tensor:
-        """Store the new K/V of `layer`, then attend over each sequence's cached tokens."""
+        """Store the new K/V of `layer`, then attend over each sequence's cached tokens:
+        decode rows (one token) in one paged decode call, prefill chunks in one paged prefill
+        call, through `self.kernels` (Triton on CUDA, the PyTorch reference elsewhere)."""
         spans = batch.spans()
         records = [self.sequences[s].layers[layer] for s, _, _ in spans]
         starts = [batch.backend_state[s][layer] for s, _, _ in spans]
         new_slots = torch.cat(
             [rec.slots(st, st + n) for rec, st, (_, _, n) in zip(records, starts, spans)]
         ).to(self.device)
-        self.pool.write(new_slots, k, v)
+        kv = self.pool.paged_kv()
+        self.kernels.kv_append(kv, new_slots, k, v)
         out = torch.empty_like(q)
-        decode = [i for i, (_, _, n) in enumerate(spans) if n == 1]
-        if decode:
-            self._attend_decode(q, out, [spans[i] for i in decode],
-                                [records[i] for i in decode], [starts[i] for i in decode])
-        chunks = [i for i, (_, _, n) in enumerate(spans) if n > 1]
-        if len(chunks) > 1 and not self.scorer.accumulates_attention:
-            self._attend_chunks_batched(q, out, [spans[i] for i in chunks],
-                                        [records[i] for i in chunks], [starts[i] for i in chunks])
-        else:
-            for i in chunks:
-                _, row, n = spans[i]
-                self._attend_chunk(q, out, row, n, records[i], starts[i])
+        for rows in ([i for i, (_, _, n) in enumerate(spans) if n == 1],
+                     [i for i, (_, _, n) in enumerate(spans) if n > 1]):
+            if rows:
+                self._attend_rows(kv, q, out, [spans[i] for i in rows],
+                                  [records[i] for i in rows], [starts[i] for i in rows])
         return out
 
-    def _attend_chunks_batched(self, q, out, spans, records, starts) -> None:
-        """Several prefill chunks in one padded attention call (no attention mass needed)."""
+    def _attend_rows(self, kv, q, out, spans, records, starts) -> None:
+        """Attention for spans that are all decode tokens or all prefill chunks."""
         counts = [n for _, _, n in spans]
         totals = [s + n for s, n in zip(starts, counts)]
-        most_q, most_k = max(counts), max(totals)
         device = self.device
-        k, v = self._read_rotated(records, totals)  # [b, most_k, kvh, d]
-        offsets = torch.arange(most_q, device=device)
-        rows = torch.stack([torch.clamp(offsets, max=n - 1) + row
-                            for (_, row, n) in spans])  # [b, most_q] (padding repeats)
-        positions = torch.tensor(starts, device=device)[:, None] + offsets[None, :]
-        q_rot = self.rotary.rotate(q[rows.flatten()], positions.flatten()).view(
-            len(spans), most_q, q.shape[1], q.shape[2])
-        keys = torch.arange(most_k, device=device)
-        allowed = keys[None, None, :] <= positions[:, :, None]  # causal, cache-relative
-        allowed &= keys[None, None, :] < torch.tensor(totals, device=device)[:, None, None]
-        result = torch.nn.functional.scaled_dot_product_attention(
-            q_rot.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=allowed[:, None], enable_gqa=True,
-        ).transpose(1, 2)  # [b, most_q, heads, d]
-        for i, (_, row, n) in enumerate(spans):
-            out[row : row + n] = result[i, :n].to(out.dtype)
-
-    def _read_rotated(self, records: list[LayerTokens], totals: list[int]):
-        """K (rotated by cache position) and V of the first totals[i] tokens of each record,
-        padded to [b, max(totals), kv_heads, head_dim]; padding reads slot 0, callers mask it."""
-        slot_matrix = pad_sequence([rec.slots(0, t) for rec, t in zip(records, totals)],
-                                   batch_first=True)
-        k, v = self.pool.read(slot_matrix.to(self.device))
-        cos, sin = self.rotary.cos_sin(torch.arange(max(totals), device=self.device))
-        return apply_rotary(k, cos, sin), v
-
-    def _attend_decode(self, q, out, spans, records, starts) -> None:
-        lengths = torch.tensor([s + 1 for s in starts], device=self.device)
-        k, v = self._read_rotated(records, [s + 1 for s in starts])  # [b, n, kvh, d]
-        rows = torch.tensor([row for _, row, _ in spans], device=self.device)
-        q_rot = self.rotary.rotate(q[rows], lengths - 1)
-        want_mass = self.scorer.accumulates_attention
-        result, mass = decode_attention(q_rot, k, v, lengths, want_mass)
+        page_size = self.config.page_size
+        width_pages = -(-max(totals) // page_size)
+        tables = torch.zeros(len(spans), width_pages, dtype=torch.int32)
+        for i, (rec, total) in enumerate(zip(records, totals)):
+            used = rec.pages[: -(-total // page_size)]
+            tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        tables = tables.to(device)
+        rows = torch.cat([torch.arange(row, row + n) for _, row, n in spans]).to(device)
+        positions = torch.cat([torch.arange(s, t) for s, t in zip(starts, totals)]).to(device)
+        cos, sin = self.rotary.tables(width_pages * page_size)
+        q_rot = self.kernels.rotate(q[rows], positions, cos, sin)
+        accumulates = self.scorer.accumulates_attention
+        if max(counts) == 1:
+            lengths = torch.tensor(totals, dtype=torch.int32, device=device)
+            result, mass = self.kernels.decode_attention(q_rot, kv, tables, lengths, cos, sin,
+                                                         accumulates)
+            observed = [1] * len(spans)
+        else:
+            cu_q = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32,
+                                device=device)
+            past = torch.tensor(starts, dtype=torch.int32, device=device)
+            window = (self.scorer.observation_window or max(counts)) if accumulates else None
+            result, mass = self.kernels.prefill_attention(q_rot, kv, tables, cu_q, past, cos,
+                                                          sin, max(counts), window)
+            observed = [min(n, window or n) for n in counts]
         out[rows] = result.to(out.dtype)
         if mass is not None:
-            for i, (rec, length) in enumerate(zip(records, lengths.tolist())):
-                self._accumulate(rec, mass[i, :length].cpu(), 1)
-
-    def _attend_chunk(self, q, out, row, n, rec: LayerTokens, start: int) -> None:
-        total = start + n
-        k, v = self.pool.read(rec.slots(0, total).to(self.device))
-        k = self.rotary.rotate(k, torch.arange(total, device=self.device))
-        q_rot = self.rotary.rotate(q[row : row + n], torch.arange(start, total, device=self.device))
-        mass_rows = None
-        if self.scorer.accumulates_attention:
-            mass_rows = min(n, self.scorer.observation_window or n)
-        result, mass = chunk_attention(q_rot, k, v, start, mass_rows)
-        out[row : row + n] = result.to(out.dtype)
-        if mass is not None:
-            self._accumulate(rec, mass.cpu(), mass_rows)
+            mass = mass.cpu()
+            for i, (rec, total) in enumerate(zip(records, totals)):
+                self._accumulate(rec, mass[i, :total], observed[i])
 
     def _accumulate(self, rec: LayerTokens, mass: torch.Tensor, queries: int) -> None:
         n = mass.shape[0]
@@ -381,27 +358,40 @@ class PagedKVCache:
         return evicted
 
     def _compact(self, rec: LayerTokens, keep: torch.Tensor) -> None:
-        """Move kept tokens to the front of the layer's pages; free or copy-on-write pages."""
+        """Move kept tokens to the front of the layer's pages on the device; free the emptied
+        tail pages and copy shared pages on write.
+
+        The moves run in place (`kernels.kv_compact`): copy-on-write pages are allocated while
+        the tail is still held, so no source is overwritten before it is read. Only when the
+        pool has no page left for that are the moved entries staged in a scratch copy first."""
         page_size = self.config.page_size
         kept = keep.numel()
         moved = torch.nonzero(keep != torch.arange(kept)).flatten()
         first = int(moved[0]) if moved.numel() else kept
-        data = self.pool.gather_raw(rec.slot_table()[keep[first:]].to(self.device))
+        src = rec.slot_table()[keep[first:]].to(self.device)
         new_count = math.ceil(kept / page_size)
         pages = list(rec.pages)
-        self.pool.release(pages[new_count:])
-        rewritten = []
-        for i in range(first // page_size, new_count):
-            if self.pool.refcount[pages[i]] > 1:  # shared: copy on write
-                fresh = self.pool.allocate(1)[0]
-                self.pool.copy_page(pages[i], fresh)
-                self.pool.release([pages[i]])
-                pages[i] = fresh
-            else:
-                rewritten.append(pages[i])
-        self.pool.touch(rewritten)
+        shared = [i for i in range(first // page_size, new_count)
+                  if self.pool.refcount[pages[i]] > 1]
+        staged = None
+        if len(shared) > self.pool.free_pages:
+            staged = self.pool.gather_raw(src)
+            self.pool.release(pages[new_count:])
+        for i in shared:
+            fresh = self.pool.allocate(1)[0]
+            self.pool.copy_page(pages[i], fresh)
+            self.pool.release([pages[i]])
+            pages[i] = fresh
+        self.pool.touch([pages[i] for i in range(first // page_size, new_count)
+                         if i not in shared])
+        tail = pages[new_count:]
         rec.set_pages(pages[:new_count])
-        self.pool.scatter_raw(rec.slot_table()[first:kept].to(self.device), data)
+        dst = rec.slot_table()[first:kept].to(self.device)
+        if staged is None:
+            self.kernels.kv_compact(self.pool.paged_kv(), src, dst)
+            self.pool.release(tail)
+        else:
+            self.pool.scatter_raw(dst, staged)
         rec.keep_only(keep)
 
     # -- helpers ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from streamgrok.cache.quant import dequantize_int8, quantize_int8
+from kernels.paged_kv import PagedKV
 from streamgrok.errors import CacheFullError
 
 
@@ -84,28 +84,15 @@ class PagePool:
                 self.generation[page] += 1  # whatever the prefix index knew of it is gone
                 self._free.append(page)
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [tokens, kv_heads, head_dim] at slots [tokens]; slot -1 is padding."""
-        keep = slots >= 0
-        if not bool(keep.all()):
-            slots, k, v = slots[keep], k[keep], v[keep]
+    def paged_kv(self) -> PagedKV:
+        """The pool's tensors as the kernels take them (writes go through KernelOps.kv_append)."""
         if self.quantized:
-            kq, ks = quantize_int8(k)
-            vq, vs = quantize_int8(v)
-            self.k[slots], self.k_scale[slots] = kq, ks.to(torch.float16)
-            self.v[slots], self.v_scale[slots] = vq, vs.to(torch.float16)
-        else:
-            self.k[slots] = k.to(self.dtype)
-            self.v[slots] = v.to(self.dtype)
+            return PagedKV(self.k, self.v, self.page_size, self.k_scale, self.v_scale)
+        return PagedKV(self.k, self.v, self.page_size)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V at slots (any shape), dequantized to the compute dtype."""
-        if self.quantized:
-            return (
-                dequantize_int8(self.k[slots], self.k_scale[slots], self.compute_dtype),
-                dequantize_int8(self.v[slots], self.v_scale[slots], self.compute_dtype),
-            )
-        return self.k[slots].to(self.compute_dtype), self.v[slots].to(self.compute_dtype)
+        return self.paged_kv().read(slots, self.compute_dtype)
 
     def gather_raw(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Stored entries at slots, as stored (for moving them without requantizing)."""

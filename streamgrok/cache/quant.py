@@ -20,7 +20,3 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).clamp_(-INT8_MAX, INT8_MAX)
     return q.to(torch.int8), scale
 
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of quantize_int8, in `dtype`."""
-    return (q.float() * scale.float()[..., None]).to(dtype)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import rmsnorm
+from kernels.ops import KernelOps
 from streamgrok.model.batch import AttentionBackend, BatchMetadata
 from streamgrok.model.config import ModelConfig
 
@@ -25,10 +27,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+    def forward(
+        self, x: torch.Tensor, ops: KernelOps | None = None, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) through `ops` (fused on GPU); without
+        `residual` the second result is x."""
+        if ops is None:
+            return rmsnorm.reference(x, self.weight, self.eps, residual)
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -81,10 +87,11 @@ class Block(nn.Module):
         self.ffn = FeedForward(config)
 
     def forward(
-        self, x: torch.Tensor, batch: BatchMetadata, backend: AttentionBackend
+        self, x: torch.Tensor, batch: BatchMetadata, backend: AttentionBackend, ops: KernelOps
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), batch, backend)
-        return x + self.ffn(self.ffn_norm(x))
+        h, _ = self.attn_norm(x, ops)
+        h, x = self.ffn_norm(self.attn(h, batch, backend), ops, residual=x)
+        return x + self.ffn(h)
 
 
 class Transformer(nn.Module):
@@ -95,6 +102,7 @@ class Transformer(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.kernels = KernelOps()  # Triton on CUDA, PyTorch elsewhere; tests may force one
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -121,10 +129,10 @@ class Transformer(nn.Module):
         if batch.embed_rows is not None and batch.embed_values is not None:
             x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
         for layer in self.layers:
-            x = layer(x, batch, backend)
+            x = layer(x, batch, backend, self.kernels)
         if batch.logit_rows is not None:
             x = x.index_select(0, batch.logit_rows)
-        return self.output(self.norm(x)).float()
+        return self.output(self.norm(x, self.kernels)[0]).float()
 
     def forward_nano(
         self,
@@ -150,13 +158,13 @@ class Transformer(nn.Module):
         for layer in self.layers:
             for i, ((_, batch), ctx) in enumerate(zip(parts, contexts)):
                 with ctx:
-                    xs[i] = layer(xs[i], batch, backend)
+                    xs[i] = layer(xs[i], batch, backend, self.kernels)
         outs = []
         for x, (_, batch), ctx in zip(xs, parts, contexts):
             with ctx:
                 if batch.logit_rows is not None:
                     x = x.index_select(0, batch.logit_rows)
-                outs.append(self.output(self.norm(x)).float())
+                outs.append(self.output(self.norm(x, self.kernels)[0]).float())
         if streams:
             for stream in streams:
                 torch.cuda.current_stream().wait_stream(stream)

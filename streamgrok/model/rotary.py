@@ -60,6 +60,13 @@ class Rotary:
             self._grow(int(positions.max()) + 1)
         return self._cos[positions], self._sin[positions]
 
+    def tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and sin tables [>= length, head_dim/2] (float32, no copy), for
+        kernels that look positions up themselves."""
+        if length > self._cos.shape[0]:
+            self._grow(length)
+        return self._cos, self._sin
+
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate x of shape [tokens, heads, head_dim] by the given per-token positions."""
         cos, sin = self.cos_sin(positions)
