@@ -7,6 +7,8 @@ dequantized in registers with their per-(token, head) scale.
 
 from __future__ import annotations
 
+import os
+
 try:
     import triton
     import triton.language as tl
@@ -56,12 +58,33 @@ if triton is not None:
         return v
 
     @triton.jit
+    def qk_scores(q1, q2, k1, k2, scale, DOT: tl.constexpr, PRECISION: tl.constexpr):
+        """Scaled scores [R, N] of query halves [R, D/2] against key halves [N, D/2], with
+        operands in the dot dtype (the query's) and float32 accumulation."""
+        scores = tl.dot(q1.to(DOT), tl.trans(k1.to(DOT)), input_precision=PRECISION)
+        scores += tl.dot(q2.to(DOT), tl.trans(k2.to(DOT)), input_precision=PRECISION)
+        return scores * scale
+
+    @triton.jit
     def load_query_halves(rows_ptr, row_ok, HALF: tl.constexpr):
         """The two rotary halves [R, D/2] (float32) of query rows given by row pointers [R]."""
         dh = tl.arange(0, HALF)
         q1 = tl.load(rows_ptr[:, None] + dh[None, :], mask=row_ok[:, None], other=0.0)
         q2 = tl.load(rows_ptr[:, None] + HALF + dh[None, :], mask=row_ok[:, None], other=0.0)
         return q1.to(tl.float32), q2.to(tl.float32)
+
+
+def dot_flags(dtype) -> dict:
+    """Operand type of the attention dots: the query's (bfloat16/float16 run on tensor
+    cores); float32 queries use exact IEEE float32 dots, not TF32, so they match the
+    reference. Triton's CPU interpreter computes bfloat16 dots from the raw bits (wrong), so
+    interpreted runs use float32 operands throughout."""
+    import triton.language as tl
+
+    kinds = {"torch.bfloat16": tl.bfloat16, "torch.float16": tl.float16}
+    kind = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else kinds.get(str(dtype),
+                                                                                  tl.float32)
+    return {"DOT": kind, "PRECISION": "ieee" if kind == tl.float32 else "tf32"}
 
 
 def kernel_flags(kv) -> dict:

@@ -22,14 +22,19 @@ import math
 
 import torch
 
-from kernels.common import kernel_flags, triton
+from kernels.common import dot_flags, kernel_flags, triton
 from kernels.paged_kv import PagedKV, table_slots
 from streamgrok.model.rotary import apply_rotary
 
 if triton is not None:
     import triton.language as tl
 
-    from kernels.common import load_key_block, load_query_halves, load_value_block
+    from kernels.common import (
+        load_key_block,
+        load_query_halves,
+        load_value_block,
+        qk_scores,
+    )
 
 
 def reference(
@@ -78,6 +83,7 @@ if triton is not None:
         scale, tokens_per_split,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         DIM: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr, WANT_SCORES: tl.constexpr,
+        DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -97,7 +103,7 @@ if triton is not None:
                 k_ptr, ks_ptr, tables_ptr, cos_ptr, sin_ptr, b * stride_tb, kvh, n0, hi,
                 stride_ks, stride_kh, stride_ss, stride_cos, BLOCK_N, PAGE, HALF, QUANT,
             )
-            scores = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale
+            scores = qk_scores(q1, q2, k1, k2, scale, DOT, PRECISION)
             scores = tl.where(valid[None, :], scores, float("-inf"))
             if WANT_SCORES:
                 tl.store(score_ptr + b * stride_sb + heads[:, None] * stride_sh + pos[None, :],
@@ -107,7 +113,8 @@ if triton is not None:
             probs = tl.exp(scores - m_new[:, None])
             v = load_value_block(v_ptr, vs_ptr, slot, valid, kvh, stride_vs, stride_vh,
                                  stride_ss, DIM, QUANT)
-            acc = acc * alpha[:, None] + tl.dot(probs, v)
+            acc = acc * alpha[:, None] + tl.dot(probs.to(DOT), v.to(DOT),
+                                                    input_precision=PRECISION)
             l_sum = l_sum * alpha + tl.sum(probs, 1)
             m = m_new
         has_keys = l_sum > 0
@@ -181,7 +188,7 @@ def paged_decode_attention(
         1.0 / math.sqrt(dim), per_split,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         PAGE=kv.page_size, DIM=dim, HALF=dim // 2, QUANT=flags["QUANT"],
-        WANT_SCORES=want_mass,
+        WANT_SCORES=want_mass, **dot_flags(q.dtype),
     )
     # merge the splits (tiny: [B, H, splits]); a split without keys has lse -inf, weight 0
     total = torch.logsumexp(lse, dim=-1)

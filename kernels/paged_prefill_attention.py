@@ -18,14 +18,19 @@ import math
 
 import torch
 
-from kernels.common import kernel_flags, triton
+from kernels.common import dot_flags, kernel_flags, triton
 from kernels.paged_kv import PagedKV, table_slots
 from streamgrok.model.rotary import apply_rotary
 
 if triton is not None:
     import triton.language as tl
 
-    from kernels.common import load_key_block, load_query_halves, load_value_block
+    from kernels.common import (
+        load_key_block,
+        load_query_halves,
+        load_value_block,
+        qk_scores,
+    )
 
 
 def dense_chunk_attention(
@@ -106,7 +111,7 @@ if triton is not None:
         scale,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr, DIM: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr,
-        WANT_LSE: tl.constexpr,
+        WANT_LSE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         block = tl.program_id(1)
@@ -130,7 +135,7 @@ if triton is not None:
                     k_ptr, ks_ptr, tables_ptr, cos_ptr, sin_ptr, b * stride_tb, kvh, n0, hi,
                     stride_ks, stride_kh, stride_ss, stride_cos, BLOCK_N, PAGE, HALF, QUANT,
                 )
-                scores = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale
+                scores = qk_scores(q1, q2, k1, k2, scale, DOT, PRECISION)
                 allowed = valid[None, :] & (pos[None, :] <= query_pos[:, None])
                 scores = tl.where(allowed, scores, float("-inf"))
                 m_new = tl.maximum(m, tl.max(scores, 1))
@@ -138,7 +143,8 @@ if triton is not None:
                 probs = tl.exp(scores - m_new[:, None])
                 v = load_value_block(v_ptr, vs_ptr, slot, valid, kvh, stride_vs, stride_vh,
                                      stride_ss, DIM, QUANT)
-                acc = acc * alpha[:, None] + tl.dot(probs, v)
+                acc = acc * alpha[:, None] + tl.dot(probs.to(DOT), v.to(DOT),
+                                                    input_precision=PRECISION)
                 l_sum = l_sum * alpha + tl.sum(probs, 1)
                 m = m_new
             d = tl.arange(0, DIM)
@@ -157,6 +163,7 @@ if triton is not None:
         scale,
         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr, HALF: tl.constexpr, QUANT: tl.constexpr,
+        DOT: tl.constexpr, PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         n0 = tl.program_id(1) * BLOCK_N
@@ -179,7 +186,7 @@ if triton is not None:
                     tokens = (first + rows).to(tl.int64)
                     q1, q2 = load_query_halves(q_ptr + tokens * stride_qt + h * stride_qh,
                                                row_ok, HALF)
-                    scores = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale
+                    scores = qk_scores(q1, q2, k1, k2, scale, DOT, PRECISION)
                     lse = tl.load(lse_ptr + tokens * stride_lt + h, mask=row_ok, other=0.0)
                     allowed = (row_ok[:, None] & valid[None, :]
                                & (pos[None, :] <= start + rows[:, None]))
@@ -198,10 +205,13 @@ def paged_prefill_attention(
     sin: torch.Tensor,
     max_q: int,
     mass_window: int | None = None,
-    block_m: int = 16,
-    block_n: int = 32,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton path; same contract as `reference`."""
+    """Triton path; same contract as `reference`. Blocks of queries x keys default to 64 x 64
+    on CUDA and 16 x 32 when interpreted."""
+    block_m = block_m or (64 if q.is_cuda else 16)
+    block_n = block_n or (64 if q.is_cuda else 32)
     tokens, heads, dim = q.shape
     batch = block_tables.shape[0]
     width = block_tables.shape[1] * kv.page_size
@@ -212,7 +222,7 @@ def paged_prefill_attention(
     flags = kernel_flags(kv)
     scale = 1.0 / math.sqrt(dim)
     common = dict(PAGE=kv.page_size, HALF=dim // 2, QUANT=flags["QUANT"], GROUP=group,
-                  BLOCK_M=block_m, BLOCK_N=block_n)
+                  BLOCK_M=block_m, BLOCK_N=block_n, **dot_flags(q.dtype))
     _prefill_kernel[(batch, -(-max_q // block_m), heads)](
         q, kv.k, kv.v, flags["ks"], flags["vs"], block_tables, cu_q, past, cos, sin, out, lse,
         q.stride(0), q.stride(1), kv.k.stride(0), kv.k.stride(1), kv.v.stride(0),

@@ -17,6 +17,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
+                        help="attention/norm kernels: auto = Triton on CUDA, PyTorch on CPU")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--baseline-sessions", type=int, default=4)
     serve.add_argument("--nano-batches", type=int, default=1)
     _add_model_options(serve)
+    kernels = benches.add_parser(
+        "kernels", help="Triton kernels vs references, decode attention vs SDPA (GPU check)")
+    kernels.add_argument("--small", action="store_true", help="small shapes")
+    kernels.add_argument("--no-timing", action="store_true", help="correctness only")
     media = benches.add_parser("media", help="decode, CLIP, dedup and ingest rates")
     media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
     media.add_argument("--fps", type=float, default=2.0)
@@ -104,11 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace):
+    from kernels.ops import KernelOps
     from streamgrok.model.loader import load_model
     from streamgrok.runtime import configure_threads, resolve_device, resolve_dtype
 
     configure_threads(args.threads)
-    return load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
+    loaded = load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
+    loaded.model.kernels = KernelOps(args.kernels)
+    return loaded
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -209,6 +218,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             ),
         )
         return 0
+    if args.bench == "kernels":
+        from kernels.check import main as check_kernels
+
+        return check_kernels((["--small"] if args.small else [])
+                             + (["--no-timing"] if args.no_timing else []))
     if args.bench == "media":
         from streamgrok.bench.media import run_media_bench
         from streamgrok.runtime import configure_threads

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -322,3 +325,14 @@ def test_forced_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypat
     assert not KernelOps("auto").uses_triton(torch.zeros(1))
     with pytest.raises(ValueError, match="kernel backend"):
         KernelOps("cuda")
+
+
+def test_gpu_check_script_runs_and_passes_on_small_shapes():
+    """`python -m kernels.check` (here interpreted on small shapes unless CUDA is present)."""
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-m", "kernels.check", "--small"], cwd=root,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "0 failed checks" in result.stdout
+    assert "kernel ms" in result.stdout and "mass +%" in result.stdout
+    assert result.stdout.count(" ok") >= 19

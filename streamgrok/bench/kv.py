@@ -62,7 +62,8 @@ def run_kv_bench(loaded: LoadedModel, options: KvBenchOptions) -> dict:
 def _cache(loaded: LoadedModel, policy: str, budget: int | None, memory_gib: float = 1.0,
            **extra) -> PagedKVCache:
     config = CacheConfig(policy=policy, budget_tokens=budget, memory_gib=memory_gib, **extra)
-    return PagedKVCache(loaded.config, config, loaded.model.dtype, loaded.model.device)
+    return PagedKVCache(loaded.config, config, loaded.model.dtype, loaded.model.device,
+                        kernels=loaded.model.kernels)
 
 
 def flat_memory(loaded: LoadedModel, options: KvBenchOptions) -> dict:

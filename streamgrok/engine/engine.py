@@ -46,7 +46,8 @@ class Engine:
         self.model_config = loaded.config
         self.config = config or EngineConfig()
         self.cache = PagedKVCache(
-            loaded.config, cache_config or CacheConfig(), loaded.model.dtype, loaded.model.device
+            loaded.config, cache_config or CacheConfig(), loaded.model.dtype, loaded.model.device,
+            kernels=loaded.model.kernels,
         )
         self.scheduler = Scheduler(self.config, self.cache)
         self.runner = ModelRunner(loaded.model, self.cache, self.config.nano_batches,
