@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
 from streamgrok.cache.prefix import PrefixIndex
+from streamgrok.cache.step_plan import SpanGroup, StepPlan, build_step_plan
 from streamgrok.cache.tokens import (
     META_COLUMNS,
     MODALITY,
@@ -248,7 +248,6 @@ class PagedKVCache:
             )
         info = batch.token_info or TokenInfo.text(batch.num_tokens)
         starts: dict[int, list[int]] = {}
-        batch.backend_state = starts
         for seq_id, row, n in spans:
             seq = self.sequences[seq_id]
             starts[seq_id] = [layer.length for layer in seq.layers]
@@ -258,6 +257,9 @@ class PagedKVCache:
                     layer.add_pages(self.pool.allocate(extra))
             self._append_records(seq, info.slice(row, row + n))
         self.stats.appended_tokens += batch.num_tokens
+        records = {s: self.sequences[s].layers for s, _, _ in spans}
+        batch.backend_state = build_step_plan(spans, records, starts, self.config.page_size,
+                                              self.device)
 
     @torch.inference_mode()
     def attend(
@@ -271,57 +273,35 @@ class PagedKVCache:
         """Store the new K/V of `layer`, then attend over each sequence's cached tokens:
         decode rows (one token) in one paged decode call, prefill chunks in one paged prefill
         call, through `self.kernels` (Triton on CUDA, the PyTorch reference elsewhere)."""
-        spans = batch.spans()
-        records = [self.sequences[s].layers[layer] for s, _, _ in spans]
-        starts = [batch.backend_state[s][layer] for s, _, _ in spans]
-        new_slots = torch.cat(
-            [rec.slots(st, st + n) for rec, st, (_, _, n) in zip(records, starts, spans)]
-        ).to(self.device)
+        plan: StepPlan = batch.backend_state
         kv = self.pool.paged_kv()
-        self.kernels.kv_append(kv, new_slots, k, v)
+        self.kernels.kv_append(kv, plan.new_slots[layer], k, v)
         out = torch.empty_like(q)
-        for rows in ([i for i, (_, _, n) in enumerate(spans) if n == 1],
-                     [i for i, (_, _, n) in enumerate(spans) if n > 1]):
-            if rows:
-                self._attend_rows(kv, q, out, [spans[i] for i in rows],
-                                  [records[i] for i in rows], [starts[i] for i in rows])
+        for group in plan.groups:
+            self._attend_group(layer, kv, q, out, group)
         return out
 
-    def _attend_rows(self, kv, q, out, spans, records, starts) -> None:
-        """Attention for spans that are all decode tokens or all prefill chunks."""
-        counts = [n for _, _, n in spans]
-        totals = [s + n for s, n in zip(starts, counts)]
-        device = self.device
-        page_size = self.config.page_size
-        width_pages = -(-max(totals) // page_size)
-        tables = torch.zeros(len(spans), width_pages, dtype=torch.int32)
-        for i, (rec, total) in enumerate(zip(records, totals)):
-            used = rec.pages[: -(-total // page_size)]
-            tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
-        tables = tables.to(device)
-        rows = torch.cat([torch.arange(row, row + n) for _, row, n in spans]).to(device)
-        positions = torch.cat([torch.arange(s, t) for s, t in zip(starts, totals)]).to(device)
-        cos, sin = self.rotary.tables(width_pages * page_size)
-        q_rot = self.kernels.rotate(q[rows], positions, cos, sin)
+    def _attend_group(self, layer: int, kv, q, out, group: SpanGroup) -> None:
+        width = group.widths[layer]
+        tables = group.tables[layer, :, :width]
+        cos, sin = self.rotary.tables(width * self.config.page_size)
+        q_rot = self.kernels.rotate(q[group.rows], group.positions[layer], cos, sin)
         accumulates = self.scorer.accumulates_attention
-        if max(counts) == 1:
-            lengths = torch.tensor(totals, dtype=torch.int32, device=device)
-            result, mass = self.kernels.decode_attention(q_rot, kv, tables, lengths, cos, sin,
-                                                         accumulates)
-            observed = [1] * len(spans)
+        if group.decode:
+            result, mass = self.kernels.decode_attention(
+                q_rot, kv, tables, group.lengths[layer], cos, sin, accumulates)
+            observed = [1] * len(group.counts)
         else:
-            cu_q = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32,
-                                device=device)
-            past = torch.tensor(starts, dtype=torch.int32, device=device)
-            window = (self.scorer.observation_window or max(counts)) if accumulates else None
-            result, mass = self.kernels.prefill_attention(q_rot, kv, tables, cu_q, past, cos,
-                                                          sin, max(counts), window)
-            observed = [min(n, window or n) for n in counts]
-        out[rows] = result.to(out.dtype)
+            window = (self.scorer.observation_window or group.max_q) if accumulates else None
+            result, mass = self.kernels.prefill_attention(
+                q_rot, kv, tables, group.cu_q, group.past[layer], cos, sin, group.max_q, window)
+            observed = [min(n, window or n) for n in group.counts]
+        out[group.rows] = result.to(out.dtype)
         if mass is not None:
             mass = mass.cpu()
-            for i, (rec, total) in enumerate(zip(records, totals)):
-                self._accumulate(rec, mass[i, :total], observed[i])
+            for i, (seq_id, total) in enumerate(zip(group.seq_ids, group.totals[layer])):
+                self._accumulate(self.sequences[seq_id].layers[layer], mass[i, :total],
+                                 observed[i])
 
     def _accumulate(self, rec: LayerTokens, mass: torch.Tensor, queries: int) -> None:
         n = mass.shape[0]

@@ -1,0 +1,103 @@
+"""Per-step attention metadata for every layer, built once in `prepare` and moved to the
+device in a few copies, so `attend` does no host work or host-to-device copy per layer.
+
+Each sequence has its own page table and length in every layer (per-layer budgets and
+eviction), so tables, lengths and query positions carry a layer dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from streamgrok.cache.tokens import LayerTokens
+
+
+@dataclass
+class SpanGroup:
+    """The batch's decode tokens, or its prefill chunks: everything one attention call needs.
+
+    Host lists are indexed [layer][sequence]; device tensors lead with the layer."""
+
+    seq_ids: list[int]
+    decode: bool
+    counts: list[int]
+    totals: list[list[int]]  # tokens cached after this step, per layer and sequence
+    widths: list[int]  # pages the longest sequence needs, per layer
+    rows: torch.Tensor  # [T] rows of q/out (int64)
+    positions: torch.Tensor  # [L, T] cache position of each query (int64)
+    tables: torch.Tensor  # [L, B, P] page tables (int32, unused entries 0)
+    lengths: torch.Tensor  # [L, B] totals (int32)
+    past: torch.Tensor  # [L, B] tokens cached before this step (int32)
+    cu_q: torch.Tensor  # [B + 1] query row offsets within the group (int32)
+
+    @property
+    def max_q(self) -> int:
+        return max(self.counts)
+
+
+@dataclass
+class StepPlan:
+    """Where this step's new K/V go in every layer, and the span groups to attend."""
+
+    new_slots: torch.Tensor  # [L, tokens] (int64), in batch row order
+    groups: list[SpanGroup]
+
+
+def build_step_plan(
+    spans: list[tuple[int, int, int]],
+    records: dict[int, list[LayerTokens]],
+    starts: dict[int, list[int]],
+    page_size: int,
+    device: torch.device,
+) -> StepPlan:
+    """`spans` are (seq_id, first row, tokens); `records[seq]` its layers (pages already
+    allocated for the new tokens); `starts[seq][layer]` its length before this step."""
+    layers = len(next(iter(records.values())))
+    new_slots = torch.stack([
+        torch.cat([records[s][layer].slots(starts[s][layer], starts[s][layer] + n)
+                   for s, _, n in spans])
+        for layer in range(layers)
+    ])
+    groups = []
+    for decode in (True, False):
+        chosen = [span for span in spans if (span[2] == 1) == decode]
+        if chosen:
+            groups.append(_group(chosen, records, starts, page_size, layers, decode))
+    return StepPlan(new_slots.to(device), [_to(g, device) for g in groups])
+
+
+def _group(spans, records, starts, page_size, layers, decode) -> SpanGroup:
+    seq_ids = [s for s, _, _ in spans]
+    counts = [n for _, _, n in spans]
+    past = np.array([[starts[s][layer] for s in seq_ids] for layer in range(layers)],
+                    dtype=np.int64)
+    totals = past + np.array(counts)[None, :]
+    widths = [-(-int(row.max()) // page_size) for row in totals]
+    tables = np.zeros((layers, len(spans), max(widths)), dtype=np.int32)
+    for layer in range(layers):
+        for i, s in enumerate(seq_ids):
+            used = -(-int(totals[layer, i]) // page_size)
+            tables[layer, i, :used] = records[s][layer].pages[:used]
+    offsets = np.concatenate([np.arange(n) for n in counts])
+    first = np.repeat(past, counts, axis=1)
+    rows = np.concatenate([np.arange(row, row + n) for _, row, n in spans])
+    return SpanGroup(
+        seq_ids=seq_ids, decode=decode, counts=counts, totals=totals.tolist(), widths=widths,
+        rows=torch.from_numpy(rows),
+        positions=torch.from_numpy(first + offsets[None, :]),
+        tables=torch.from_numpy(tables),
+        lengths=torch.from_numpy(totals.astype(np.int32)),
+        past=torch.from_numpy(past.astype(np.int32)),
+        cu_q=torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
+    )
+
+
+def _to(group: SpanGroup, device: torch.device) -> SpanGroup:
+    if device.type == "cpu":
+        return group
+    for name in ("rows", "positions", "tables", "lengths", "past", "cu_q"):
+        setattr(group, name, getattr(group, name).to(device, non_blocking=True))
+    return group
