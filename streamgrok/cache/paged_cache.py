@@ -117,7 +117,8 @@ class PagedKVCache:
         tokens are therefore already cached and must not be prefilled again."""
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id} already exists")
-        seq = SequenceState(seq_id, [LayerTokens(self.config.page_size) for _ in self.budgets])
+        layers = [LayerTokens(self.config.page_size, self.device) for _ in self.budgets]
+        seq = SequenceState(seq_id, layers)
         self.sequences[seq_id] = seq
         if not prefix_tokens:
             return 0
@@ -161,7 +162,7 @@ class PagedKVCache:
                 self.pool.copy_page(pages[-1], fresh)
                 self.pool.release([pages[-1]])
                 pages[-1] = fresh
-            copy = LayerTokens(self.config.page_size)
+            copy = LayerTokens(self.config.page_size, self.device)
             copy.set_pages(pages)
             copy.meta = rec.meta.clone()
             copy.score = rec.score.clone()
@@ -297,8 +298,7 @@ class PagedKVCache:
                 q_rot, kv, tables, group.cu_q, group.past[layer], cos, sin, group.max_q, window)
             observed = [min(n, window or n) for n in group.counts]
         out[group.rows] = result.to(out.dtype)
-        if mass is not None:
-            mass = mass.cpu()
+        if mass is not None:  # scores stay on the device: no sync per layer
             for i, (seq_id, total) in enumerate(zip(group.seq_ids, group.totals[layer])):
                 self._accumulate(self.sequences[seq_id].layers[layer], mass[i, :total],
                                  observed[i])

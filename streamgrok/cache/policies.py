@@ -59,7 +59,7 @@ class AttentionMassScorer:
     observation_window = None
 
     def score(self, view: LayerView) -> torch.Tensor:
-        return view.tokens.score[: view.tokens.length].clone()
+        return view.tokens.scores()
 
 
 class ObservationScorer:
@@ -73,9 +73,9 @@ class ObservationScorer:
         self.pool = pool
 
     def score(self, view: LayerView) -> torch.Tensor:
-        raw = view.tokens.score[: view.tokens.length]
+        raw = view.tokens.scores()
         if self.pool <= 1 or raw.numel() < self.pool:
-            return raw.clone()
+            return raw
         return F.max_pool1d(raw[None, None], self.pool, stride=1, padding=self.pool // 2)[0, 0]
 
 

@@ -13,16 +13,17 @@ class LayerTokens:
     """The cached tokens of one sequence in one layer: page table, metadata, scores.
 
     Token i of this layer sits at slot pages[i // page_size] * page_size + i % page_size and
-    has cache-relative position i.
+    has cache-relative position i. Scores live on `device` (where the attention that
+    accumulates them runs), metadata on the host.
     """
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, device: torch.device | str = "cpu") -> None:
         self.page_size = page_size
         self.pages: list[int] = []
         self.length = 0
         self._slot_table: torch.Tensor | None = None
         self.meta = torch.zeros(0, META_COLUMNS, dtype=torch.float64)
-        self.score = torch.zeros(0, dtype=torch.float32)
+        self.score = torch.zeros(0, dtype=torch.float32, device=device)
 
     def capacity(self) -> int:
         return len(self.pages) * self.page_size
@@ -58,6 +59,10 @@ class LayerTokens:
         self.score[self.length : self.length + n] = 0
         self.length += n
 
+    def scores(self) -> torch.Tensor:
+        """A host copy of the live tokens' scores (what eviction policies rank)."""
+        return self.score[: self.length].to("cpu", copy=True)
+
     def column(self, col: int) -> torch.Tensor:
         return self.meta[: self.length, col]
 
@@ -65,11 +70,11 @@ class LayerTokens:
         """Reorder metadata and scores to the kept token indices (ascending)."""
         m = keep.shape[0]
         self.meta[:m] = self.meta[keep]
-        self.score[:m] = self.score[keep]
+        self.score[:m] = self.score[keep.to(self.score.device)]
         self.length = m
 
 
 def _grow(t: torch.Tensor, rows: int) -> torch.Tensor:
-    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
     out[: t.shape[0]] = t
     return out
