@@ -66,6 +66,17 @@ if triton is not None:
         return scores * scale
 
     @triton.jit
+    def online_softmax_step(acc, m, l_sum, scores, v, DOT: tl.constexpr,
+                            PRECISION: tl.constexpr):
+        """Fold one key block (masked scores [R, N], values [N, D]) into the running
+        max `m`, normaliser `l_sum` and unnormalised output `acc` [R, D]."""
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp(m - m_new)
+        probs = tl.exp(scores - m_new[:, None])
+        acc = acc * alpha[:, None] + tl.dot(probs.to(DOT), v.to(DOT), input_precision=PRECISION)
+        return acc, m_new, l_sum * alpha + tl.sum(probs, 1)
+
+    @triton.jit
     def load_query_halves(rows_ptr, row_ok, HALF: tl.constexpr):
         """The two rotary halves [R, D/2] (float32) of query rows given by row pointers [R]."""
         dh = tl.arange(0, HALF)

@@ -33,6 +33,7 @@ if triton is not None:
         load_key_block,
         load_query_halves,
         load_value_block,
+        online_softmax_step,
         qk_scores,
     )
 
@@ -108,15 +109,9 @@ if triton is not None:
             if WANT_SCORES:
                 tl.store(score_ptr + b * stride_sb + heads[:, None] * stride_sh + pos[None, :],
                          scores, mask=g_ok[:, None] & valid[None, :])
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp(m - m_new)
-            probs = tl.exp(scores - m_new[:, None])
             v = load_value_block(v_ptr, vs_ptr, slot, valid, kvh, stride_vs, stride_vh,
                                  stride_ss, DIM, QUANT)
-            acc = acc * alpha[:, None] + tl.dot(probs.to(DOT), v.to(DOT),
-                                                    input_precision=PRECISION)
-            l_sum = l_sum * alpha + tl.sum(probs, 1)
-            m = m_new
+            acc, m, l_sum = online_softmax_step(acc, m, l_sum, scores, v, DOT, PRECISION)
         has_keys = l_sum > 0
         lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l_sum, 1.0)), float("-inf"))
         out = acc / tl.where(has_keys, l_sum, 1.0)[:, None]

@@ -29,6 +29,7 @@ if triton is not None:
         load_key_block,
         load_query_halves,
         load_value_block,
+        online_softmax_step,
         qk_scores,
     )
 
@@ -138,15 +139,9 @@ if triton is not None:
                 scores = qk_scores(q1, q2, k1, k2, scale, DOT, PRECISION)
                 allowed = valid[None, :] & (pos[None, :] <= query_pos[:, None])
                 scores = tl.where(allowed, scores, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, 1))
-                alpha = tl.exp(m - m_new)
-                probs = tl.exp(scores - m_new[:, None])
                 v = load_value_block(v_ptr, vs_ptr, slot, valid, kvh, stride_vs, stride_vh,
                                      stride_ss, DIM, QUANT)
-                acc = acc * alpha[:, None] + tl.dot(probs.to(DOT), v.to(DOT),
-                                                    input_precision=PRECISION)
-                l_sum = l_sum * alpha + tl.sum(probs, 1)
-                m = m_new
+                acc, m, l_sum = online_softmax_step(acc, m, l_sum, scores, v, DOT, PRECISION)
             d = tl.arange(0, DIM)
             out = acc / l_sum[:, None]
             tl.store(out_ptr + tokens[:, None] * stride_ot + h * stride_oh + d[None, :],

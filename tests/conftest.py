@@ -13,6 +13,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from streamgrok.runtime import steady_host_allocator  # noqa: E402
+
+steady_host_allocator()
+
 if not torch.cuda.is_available():
     # Triton kernels run interpreted on CPU tensors; must be set before kernels are imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
