@@ -38,9 +38,16 @@ if triton is not None:
             scale = tl.load(ks_ptr + slot * stride_ss + kvh, mask=valid, other=0.0)
             k1 = k1 * scale.to(tl.float32)[:, None]
             k2 = k2 * scale.to(tl.float32)[:, None]
-        trig = pos[:, None] * stride_cos + dh[None, :]
-        c = tl.load(cos_ptr + trig, mask=valid[:, None], other=0.0)
-        s = tl.load(sin_ptr + trig, mask=valid[:, None], other=0.0)
+        # cos/sin of position n0 + t by angle addition from the block's first row and the
+        # table's first BLOCK_N rows (cached): one table row per block, not one per key
+        t = tl.arange(0, BLOCK_N)
+        c0 = tl.load(cos_ptr + n0 * stride_cos + dh)[None, :]
+        s0 = tl.load(sin_ptr + n0 * stride_cos + dh)[None, :]
+        offsets = t[:, None] * stride_cos + dh[None, :]
+        ct = tl.load(cos_ptr + offsets, mask=valid[:, None], other=0.0)
+        st = tl.load(sin_ptr + offsets, mask=valid[:, None], other=0.0)
+        c = c0 * ct - s0 * st
+        s = s0 * ct + c0 * st
         return k1 * c - k2 * s, k2 * c + k1 * s, slot, valid, pos
 
     @triton.jit
@@ -59,10 +66,10 @@ if triton is not None:
 
     @triton.jit
     def qk_scores(q1, q2, k1, k2, scale, DOT: tl.constexpr, PRECISION: tl.constexpr):
-        """Scaled scores [R, N] of query halves [R, D/2] against key halves [N, D/2], with
-        operands in the dot dtype (the query's) and float32 accumulation."""
-        scores = tl.dot(q1.to(DOT), tl.trans(k1.to(DOT)), input_precision=PRECISION)
-        scores += tl.dot(q2.to(DOT), tl.trans(k2.to(DOT)), input_precision=PRECISION)
+        """Scaled scores [R, N] of query halves [R, D/2] (already in the dot type) against
+        float32 key halves [N, D/2], float32 accumulation."""
+        scores = tl.dot(q1, tl.trans(k1.to(DOT)), input_precision=PRECISION)
+        scores += tl.dot(q2, tl.trans(k2.to(DOT)), input_precision=PRECISION)
         return scores * scale
 
     @triton.jit
@@ -77,12 +84,13 @@ if triton is not None:
         return acc, m_new, l_sum * alpha + tl.sum(probs, 1)
 
     @triton.jit
-    def load_query_halves(rows_ptr, row_ok, HALF: tl.constexpr):
-        """The two rotary halves [R, D/2] (float32) of query rows given by row pointers [R]."""
+    def load_query_halves(rows_ptr, row_ok, HALF: tl.constexpr, DOT: tl.constexpr):
+        """The two rotary halves [R, D/2] of query rows given by row pointers [R], in the dot
+        operand type."""
         dh = tl.arange(0, HALF)
         q1 = tl.load(rows_ptr[:, None] + dh[None, :], mask=row_ok[:, None], other=0.0)
         q2 = tl.load(rows_ptr[:, None] + HALF + dh[None, :], mask=row_ok[:, None], other=0.0)
-        return q1.to(tl.float32), q2.to(tl.float32)
+        return q1.to(DOT), q2.to(DOT)
 
 
 def dot_flags(dtype) -> dict:

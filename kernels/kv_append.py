@@ -49,7 +49,7 @@ if triton is not None:
             tl.store(dst_ptr + d, rounded.to(tl.int8))
             tl.store(scale_ptr, scale)
         else:
-            tl.store(dst_ptr + d, x.to(dst_ptr.dtype.element_ty, fp_downcast_rounding="rtne"))
+            tl.store(dst_ptr + d, x.to(dst_ptr.dtype.element_ty))
 
     @triton.jit
     def _append_kernel(

@@ -95,7 +95,7 @@ if triton is not None:
         g = tl.arange(0, BLOCK_G)
         g_ok = g < GROUP
         heads = kvh * GROUP + g
-        q1, q2 = load_query_halves(q_ptr + b * stride_qb + heads * stride_qh, g_ok, HALF)
+        q1, q2 = load_query_halves(q_ptr + b * stride_qb + heads * stride_qh, g_ok, HALF, DOT)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_sum = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, DIM], tl.float32)

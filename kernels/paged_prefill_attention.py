@@ -126,7 +126,8 @@ if triton is not None:
             row_ok = rows < count
             query_pos = start + rows
             tokens = (first + rows).to(tl.int64)
-            q1, q2 = load_query_halves(q_ptr + tokens * stride_qt + h * stride_qh, row_ok, HALF)
+            q1, q2 = load_query_halves(q_ptr + tokens * stride_qt + h * stride_qh, row_ok,
+                                       HALF, DOT)
             hi = start + tl.minimum(count, (block + 1) * BLOCK_M)
             m = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -180,7 +181,7 @@ if triton is not None:
                     row_ok = rows < count
                     tokens = (first + rows).to(tl.int64)
                     q1, q2 = load_query_halves(q_ptr + tokens * stride_qt + h * stride_qh,
-                                               row_ok, HALF)
+                                               row_ok, HALF, DOT)
                     scores = qk_scores(q1, q2, k1, k2, scale, DOT, PRECISION)
                     lse = tl.load(lse_ptr + tokens * stride_lt + h, mask=row_ok, other=0.0)
                     allowed = (row_ok[:, None] & valid[None, :]

@@ -10,6 +10,7 @@ pools and, on CUDA (approximate division), within one int8 step.
 from __future__ import annotations
 
 import math
+import os
 import random
 import subprocess
 import sys
@@ -336,3 +337,16 @@ def test_gpu_check_script_runs_and_passes_on_small_shapes():
     assert "0 failed checks" in result.stdout
     assert "kernel ms" in result.stdout and "mass +%" in result.stdout
     assert result.stdout.count(" ok") >= 19
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_every_kernel_specialization_compiles_for_the_gpu_without_spills(arch):
+    """Ahead-of-time compile with Triton's ptxas (no GPU needed): catches GPU-only compile
+    errors, register spills and shared memory over the architecture's limit."""
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "kernels.aot", "--arch", str(arch)],
+                            cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    assert result.stdout.rstrip().endswith("0 failed")
+    assert result.stdout.count(" ok") >= 40
