@@ -43,6 +43,12 @@ class Report:
     error: str | None = None
 
 
+# Pointer types shared by every kernel that has the argument; variants add the rest.
+COMMON_POINTERS = {"tables_ptr": "*i32", "lengths_ptr": "*i32", "cu_ptr": "*i32",
+                   "past_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                   "lse_ptr": "*fp32", "score_ptr": "*fp32", "mass_ptr": "*fp32"}
+
+
 def _pool_pointers(kv: str) -> dict[str, str]:
     scale = "*fp16" if kv == "i8" else f"*{kv}"
     return {"k_ptr": f"*{kv}", "v_ptr": f"*{kv}", "ks_ptr": scale, "vs_ptr": scale}
@@ -62,23 +68,16 @@ def variants() -> list[Variant]:
                 out.append(Variant(
                     f"decode kv={kv} d={dim} g={group} mass={mass}",
                     "paged_decode_attention._partial_kernel",
-                    {"q_ptr": "*bf16", **_pool_pointers(kv), "tables_ptr": "*i32",
-                     "lengths_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                     "out_ptr": "*fp32", "lse_ptr": "*fp32", "score_ptr": "*fp32"},
+                    {"q_ptr": "*bf16", **_pool_pointers(kv), "out_ptr": "*fp32"},
                     dict(GROUP=group, BLOCK_G=16, BLOCK_N=64, WANT_SCORES=mass, **common)))
                 out.append(Variant(
                     f"prefill kv={kv} d={dim} g={group} lse={mass}",
                     "paged_prefill_attention._prefill_kernel",
-                    {"q_ptr": "*bf16", **_pool_pointers(kv), "tables_ptr": "*i32",
-                     "cu_ptr": "*i32", "past_ptr": "*i32", "cos_ptr": "*fp32",
-                     "sin_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32"},
+                    {"q_ptr": "*bf16", **_pool_pointers(kv), "out_ptr": "*bf16"},
                     dict(GROUP=group, BLOCK_M=64, BLOCK_N=64, WANT_LSE=mass, **common)))
             out.append(Variant(
                 f"window mass kv={kv} d={dim}", "paged_prefill_attention._window_mass_kernel",
-                {"q_ptr": "*bf16", "k_ptr": f"*{kv}",
-                 "ks_ptr": "*fp16" if kv == "i8" else f"*{kv}", "tables_ptr": "*i32",
-                 "cu_ptr": "*i32", "past_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                 "lse_ptr": "*fp32", "mass_ptr": "*fp32"},
+                {"q_ptr": "*bf16", **_pool_pointers(kv)},
                 dict(GROUP=4, BLOCK_M=64, BLOCK_N=64, PAGE=16, HALF=dim // 2,
                      QUANT=kv == "i8", DOT=tl.bfloat16, PRECISION="tf32")))
         out.append(Variant(
@@ -95,22 +94,18 @@ def variants() -> list[Variant]:
             dict(DIM=128, BLOCK=64, QUANT=kv == "i8")))
     out.append(Variant(
         "decode float32 model (IEEE dots)", "paged_decode_attention._partial_kernel",
-        {"q_ptr": "*fp32", **_pool_pointers("fp32"), "tables_ptr": "*i32",
-         "lengths_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*fp32",
-         "lse_ptr": "*fp32", "score_ptr": "*fp32"},
+        {"q_ptr": "*fp32", **_pool_pointers("fp32"), "out_ptr": "*fp32"},
         dict(GROUP=3, BLOCK_G=16, BLOCK_N=64, PAGE=16, DIM=64, HALF=32, QUANT=False,
              WANT_SCORES=True, DOT=tl.float32, PRECISION="ieee")))
-    out.append(Variant("decode mass merge", "paged_decode_attention._mass_kernel",
-                       {"score_ptr": "*fp32", "lse_ptr": "*fp32", "lengths_ptr": "*i32",
-                        "mass_ptr": "*fp32"}, dict(BLOCK=128)))
+    out.append(Variant("decode mass merge", "paged_decode_attention._mass_kernel", {},
+                       dict(BLOCK=128)))
     for residual in (True, False):
         out.append(Variant(f"rms_norm 4096 residual={residual}", "rmsnorm._rmsnorm_kernel",
                            {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16",
                             "out_ptr": "*bf16", "sum_ptr": "*bf16"},
                            dict(BLOCK=4096, HAS_RESIDUAL=residual), num_warps=16))
     out.append(Variant("rotary 32 heads d=128", "rotary._rotary_kernel",
-                       {"x_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32",
-                        "sin_ptr": "*fp32", "out_ptr": "*bf16"},
+                       {"x_ptr": "*bf16", "pos_ptr": "*i64", "out_ptr": "*bf16"},
                        dict(HALF=64, BLOCK_H=32)))
     return out
 
@@ -129,8 +124,8 @@ def compile_variant(variant: Variant, arch: int) -> Report:
     for name in fn.arg_names:
         if name in variant.constexprs:
             signature[name] = "constexpr"
-        elif name in variant.pointers:
-            signature[name] = variant.pointers[name]
+        elif name in variant.pointers or name in COMMON_POINTERS:
+            signature[name] = variant.pointers.get(name) or COMMON_POINTERS[name]
         else:
             signature[name] = "fp32" if name in variant.floats else "i32"
     constexprs = {(fn.arg_names.index(k),): v for k, v in variant.constexprs.items()}
