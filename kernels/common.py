@@ -53,16 +53,17 @@ if triton is not None:
     @triton.jit
     def load_value_block(
         v_ptr, vs_ptr, slot, valid, kvh, stride_vs, stride_vh, stride_ss,
-        DIM: tl.constexpr, QUANT: tl.constexpr,
+        DIM: tl.constexpr, QUANT: tl.constexpr, DOT: tl.constexpr,
     ):
-        """Values [N, D] in float32 at `slot` of one KV head (zero where not valid)."""
+        """Values [N, D] at `slot` of one KV head (zero where not valid), in the dot type;
+        int8 values are dequantized in float32 first."""
         d = tl.arange(0, DIM)
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :],
-                    mask=valid[:, None], other=0.0).to(tl.float32)
+                    mask=valid[:, None], other=0.0)
         if QUANT:
             scale = tl.load(vs_ptr + slot * stride_ss + kvh, mask=valid, other=0.0)
-            v = v * scale.to(tl.float32)[:, None]
-        return v
+            v = v.to(tl.float32) * scale.to(tl.float32)[:, None]
+        return v.to(DOT)
 
     @triton.jit
     def qk_scores(q1, q2, k1, k2, scale, DOT: tl.constexpr, PRECISION: tl.constexpr):

@@ -110,7 +110,7 @@ if triton is not None:
                 tl.store(score_ptr + b * stride_sb + heads[:, None] * stride_sh + pos[None, :],
                          scores, mask=g_ok[:, None] & valid[None, :])
             v = load_value_block(v_ptr, vs_ptr, slot, valid, kvh, stride_vs, stride_vh,
-                                 stride_ss, DIM, QUANT)
+                                 stride_ss, DIM, QUANT, DOT)
             acc, m, l_sum = online_softmax_step(acc, m, l_sum, scores, v, DOT, PRECISION)
         has_keys = l_sum > 0
         lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l_sum, 1.0)), float("-inf"))

@@ -141,7 +141,7 @@ if triton is not None:
                 allowed = valid[None, :] & (pos[None, :] <= query_pos[:, None])
                 scores = tl.where(allowed, scores, float("-inf"))
                 v = load_value_block(v_ptr, vs_ptr, slot, valid, kvh, stride_vs, stride_vh,
-                                     stride_ss, DIM, QUANT)
+                                     stride_ss, DIM, QUANT, DOT)
                 acc, m, l_sum = online_softmax_step(acc, m, l_sum, scores, v, DOT, PRECISION)
             d = tl.arange(0, DIM)
             out = acc / l_sum[:, None]
