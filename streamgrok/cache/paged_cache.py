@@ -158,10 +158,7 @@ class PagedKVCache:
             for page in pages:
                 self.pool.share(page)
             if rec.length % self.config.page_size:
-                fresh = self.pool.allocate(1)[0]
-                self.pool.copy_page(pages[-1], fresh)
-                self.pool.release([pages[-1]])
-                pages[-1] = fresh
+                pages[-1] = self.pool.copy_on_write(pages[-1])
             copy = LayerTokens(self.config.page_size, self.device)
             copy.set_pages(pages)
             copy.meta = rec.meta.clone()
@@ -358,10 +355,7 @@ class PagedKVCache:
             staged = self.pool.gather_raw(src)
             self.pool.release(pages[new_count:])
         for i in shared:
-            fresh = self.pool.allocate(1)[0]
-            self.pool.copy_page(pages[i], fresh)
-            self.pool.release([pages[i]])
-            pages[i] = fresh
+            pages[i] = self.pool.copy_on_write(pages[i])
         self.pool.touch([pages[i] for i in range(first // page_size, new_count)
                          if i not in shared])
         tail = pages[new_count:]

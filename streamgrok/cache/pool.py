@@ -96,21 +96,20 @@ class PagePool:
 
     def gather_raw(self, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Stored entries at slots, as stored (for moving them without requantizing)."""
-        parts = [self.k[slots], self.v[slots]]
-        if self.quantized:
-            parts += [self.k_scale[slots], self.v_scale[slots]]
-        return tuple(parts)
+        return tuple(stored[slots] for stored in self.paged_kv().tensors())
 
     def scatter_raw(self, slots: torch.Tensor, data: tuple[torch.Tensor, ...]) -> None:
         """Inverse of gather_raw."""
-        targets = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
-        for target, values in zip(targets, data):
-            target[slots] = values
+        for stored, values in zip(self.paged_kv().tensors(), data):
+            stored[slots] = values
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Copy one whole page's entries."""
-        size = self.page_size
-        self.scatter_raw(
-            torch.arange(dst * size, (dst + 1) * size, device=self.k.device),
-            self.gather_raw(torch.arange(src * size, (src + 1) * size, device=self.k.device)),
-        )
+    def copy_on_write(self, page: int) -> int:
+        """A private copy of a shared page: a fresh page with its entries, and one reference
+        to `page` dropped. Raises CacheFullError when no page is free."""
+        fresh = self.allocate(1)[0]
+        rows = slice(fresh * self.page_size, (fresh + 1) * self.page_size)
+        source = slice(page * self.page_size, (page + 1) * self.page_size)
+        for stored in self.paged_kv().tensors():
+            stored[rows] = stored[source]
+        self.release([page])
+        return fresh

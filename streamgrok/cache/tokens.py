@@ -25,9 +25,6 @@ class LayerTokens:
         self.meta = torch.zeros(0, META_COLUMNS, dtype=torch.float64)
         self.score = torch.zeros(0, dtype=torch.float32, device=device)
 
-    def capacity(self) -> int:
-        return len(self.pages) * self.page_size
-
     def add_pages(self, pages: list[int]) -> None:
         self.pages.extend(pages)
         self._slot_table = None
