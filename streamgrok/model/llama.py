@@ -125,11 +125,18 @@ class Transformer(nn.Module):
         `batch.embed_values` instead of their token embedding.
         """
         backend.prepare(batch)
+        x = self._embed(input_ids, batch)
+        for layer in self.layers:
+            x = layer(x, batch, backend, self.kernels)
+        return self._logits(x, batch)
+
+    def _embed(self, input_ids: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
         if batch.embed_rows is not None and batch.embed_values is not None:
             x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
-        for layer in self.layers:
-            x = layer(x, batch, backend, self.kernels)
+        return x
+
+    def _logits(self, x: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
         if batch.logit_rows is not None:
             x = x.index_select(0, batch.logit_rows)
         return self.output(self.norm(x, self.kernels)[0]).float()
@@ -151,10 +158,7 @@ class Transformer(nn.Module):
         for (ids, batch), ctx in zip(parts, contexts):
             with ctx:
                 backend.prepare(batch)
-                x = self.embed(ids)
-                if batch.embed_rows is not None and batch.embed_values is not None:
-                    x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
-                xs.append(x)
+                xs.append(self._embed(ids, batch))
         for layer in self.layers:
             for i, ((_, batch), ctx) in enumerate(zip(parts, contexts)):
                 with ctx:
@@ -162,9 +166,7 @@ class Transformer(nn.Module):
         outs = []
         for x, (_, batch), ctx in zip(xs, parts, contexts):
             with ctx:
-                if batch.logit_rows is not None:
-                    x = x.index_select(0, batch.logit_rows)
-                outs.append(self.output(self.norm(x, self.kernels)[0]).float())
+                outs.append(self._logits(x, batch))
         if streams:
             for stream in streams:
                 torch.cuda.current_stream().wait_stream(stream)
