@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.ops import KernelOps
+from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, build_attention_plan
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
 from streamgrok.cache.prefix import PrefixIndex
-from streamgrok.cache.step_plan import SpanGroup, StepPlan, build_step_plan
 from streamgrok.cache.tokens import (
     META_COLUMNS,
     MODALITY,
@@ -256,7 +256,7 @@ class PagedKVCache:
             self._append_records(seq, info.slice(row, row + n))
         self.stats.appended_tokens += batch.num_tokens
         records = {s: self.sequences[s].layers for s, _, _ in spans}
-        batch.backend_state = build_step_plan(spans, records, starts, self.config.page_size,
+        batch.backend_state = build_attention_plan(spans, records, starts, self.config.page_size,
                                               self.device)
 
     @torch.inference_mode()
@@ -271,7 +271,7 @@ class PagedKVCache:
         """Store the new K/V of `layer`, then attend over each sequence's cached tokens:
         decode rows (one token) in one paged decode call, prefill chunks in one paged prefill
         call, through `self.kernels` (Triton on CUDA, the PyTorch reference elsewhere)."""
-        plan: StepPlan = batch.backend_state
+        plan: AttentionPlan = batch.backend_state
         kv = self.pool.paged_kv()
         self.kernels.kv_append(kv, plan.new_slots[layer], k, v)
         out = torch.empty_like(q)

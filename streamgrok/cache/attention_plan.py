@@ -39,20 +39,20 @@ class SpanGroup:
 
 
 @dataclass
-class StepPlan:
+class AttentionPlan:
     """Where this step's new K/V go in every layer, and the span groups to attend."""
 
     new_slots: torch.Tensor  # [L, tokens] (int64), in batch row order
     groups: list[SpanGroup]
 
 
-def build_step_plan(
+def build_attention_plan(
     spans: list[tuple[int, int, int]],
     records: dict[int, list[LayerTokens]],
     starts: dict[int, list[int]],
     page_size: int,
     device: torch.device,
-) -> StepPlan:
+) -> AttentionPlan:
     """`spans` are (seq_id, first row, tokens); `records[seq]` its layers (pages already
     allocated for the new tokens); `starts[seq][layer]` its length before this step."""
     layers = len(next(iter(records.values())))
@@ -66,7 +66,7 @@ def build_step_plan(
         chosen = [span for span in spans if (span[2] == 1) == decode]
         if chosen:
             groups.append(_group(chosen, records, starts, page_size, layers, decode))
-    return StepPlan(new_slots.to(device), [_to(g, device) for g in groups])
+    return AttentionPlan(new_slots.to(device), [_to(g, device) for g in groups])
 
 
 def _group(spans, records, starts, page_size, layers, decode) -> SpanGroup:
