@@ -126,10 +126,7 @@ class Checker:
 
         s = self.shapes
         slots = math.ceil(tokens / 16) * 16
-        k = torch.zeros(slots, s.kv_heads, s.head_dim, dtype=kv_dtype, device=self.device)
-        scales = ([torch.zeros(slots, s.kv_heads, dtype=torch.float16, device=self.device)
-                   for _ in "kv"] if kv_dtype == torch.int8 else [])
-        kv = PagedKV(k, torch.zeros_like(k), 16, *scales)
+        kv = PagedKV.zeros(slots, s.kv_heads, s.head_dim, kv_dtype, 16, self.device)
         kv_append.reference(kv, torch.arange(slots, device=self.device),
                             self.randn(slots, s.kv_heads, s.head_dim, dtype=torch.float32),
                             self.randn(slots, s.kv_heads, s.head_dim, dtype=torch.float32))
@@ -141,8 +138,10 @@ class Checker:
         return order.view(len(totals), pages).int().to(self.device), len(totals) * pages * 16
 
     def trig(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        dim = self.shapes.head_dim
-        inv = 1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim))
+        from streamgrok.model.config import RopeScaling
+        from streamgrok.model.rotary import inverse_frequencies
+
+        inv = inverse_frequencies(self.shapes.head_dim, 500000.0, RopeScaling())
         angles = torch.outer(torch.arange(positions).float(), inv)
         return angles.cos().to(self.device), angles.sin().to(self.device)
 
@@ -187,8 +186,7 @@ class Checker:
             self.report(f"  window mass {name} (last {s.window})", mass, want_mass, 1e-2)
 
             want_kv = self.pool(2 * s.append_tokens, kv_dtype)
-            got_kv = type(want_kv)(*(t.clone() for t in want_kv.tensors()[:2]), 16,
-                                   *(t.clone() for t in want_kv.tensors()[2:]))
+            got_kv = want_kv.clone()
             slots = torch.randperm(2 * s.append_tokens, generator=self.gen)[: s.append_tokens]
             slots[::7] = -1
             slots = slots.to(dev)

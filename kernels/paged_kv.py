@@ -19,6 +19,25 @@ class PagedKV:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
+    @classmethod
+    def zeros(
+        cls, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedKV:
+        """Zeroed storage for `slots` tokens; int8 storage gets float16 scales."""
+        k = torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        v = torch.zeros_like(k)
+        if dtype != torch.int8:
+            return cls(k, v, page_size)
+        scales = [torch.zeros(slots, kv_heads, dtype=torch.float16, device=device)
+                  for _ in "kv"]
+        return cls(k, v, page_size, *scales)
+
+    def clone(self) -> PagedKV:
+        """An independent copy of every stored tensor."""
+        k, v, *scales = (t.clone() for t in self.tensors())
+        return PagedKV(k, v, self.page_size, *scales)
+
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None

@@ -35,7 +35,8 @@ from kernels.paged_kv import PagedKV  # noqa: E402
 from streamgrok.cache.config import CacheConfig  # noqa: E402
 from streamgrok.cache.paged_cache import PagedKVCache  # noqa: E402
 from streamgrok.model.batch import BatchMetadata  # noqa: E402
-from streamgrok.model.rotary import apply_rotary  # noqa: E402
+from streamgrok.model.config import RopeScaling  # noqa: E402
+from streamgrok.model.rotary import apply_rotary, inverse_frequencies  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 16
@@ -44,12 +45,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
 def empty_pool(slots: int, kv_heads: int, dim: int, dtype: torch.dtype) -> PagedKV:
-    k = torch.zeros(slots, kv_heads, dim, dtype=dtype, device=DEVICE)
-    v = torch.zeros_like(k)
-    if dtype != torch.int8:
-        return PagedKV(k, v, PAGE)
-    scales = [torch.zeros(slots, kv_heads, dtype=torch.float16, device=DEVICE) for _ in "kv"]
-    return PagedKV(k, v, PAGE, *scales)
+    return PagedKV.zeros(slots, kv_heads, dim, dtype, PAGE, DEVICE)
 
 
 def random_pool(slots: int, kv_heads: int, dim: int, dtype: torch.dtype, gen) -> PagedKV:
@@ -61,7 +57,7 @@ def random_pool(slots: int, kv_heads: int, dim: int, dtype: torch.dtype, gen) ->
 
 
 def rotary_tables(positions: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    inv = inverse_frequencies(dim, 10000.0, RopeScaling())
     angles = torch.outer(torch.arange(positions).float(), inv)
     return angles.cos().to(DEVICE), angles.sin().to(DEVICE)
 
@@ -224,8 +220,7 @@ def test_kv_compact_in_place_matches_reference(dtype):
     pool = random_pool(96, 2, 64, dtype, gen)
     keep = torch.sort(torch.randperm(96, generator=gen)[:41]).values.to(DEVICE)
     dst = torch.arange(41, device=DEVICE)
-    want = PagedKV(*(t.clone() for t in pool.tensors()[:2]), PAGE,
-                   *(t.clone() for t in pool.tensors()[2:]))
+    want = pool.clone()
     original = [t.clone() for t in pool.tensors()]
     kv_compact.reference(want, keep, dst)
     kv_compact.kv_compact(pool, keep, dst, block=8)  # small blocks: moves overlap across blocks

@@ -31,13 +31,8 @@ class PagePool:
         self.page_size = page_size
         self.dtype = dtype
         self.compute_dtype = compute_dtype
-        shape = (num_pages * page_size, kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.quantized = dtype == torch.int8
-        if self.quantized:
-            self.k_scale = torch.zeros(shape[:2], dtype=torch.float16, device=device)
-            self.v_scale = torch.zeros(shape[:2], dtype=torch.float16, device=device)
+        self._kv = PagedKV.zeros(num_pages * page_size, kv_heads, head_dim, dtype, page_size,
+                                 device)
         self.refcount = [0] * num_pages
         self.generation = [0] * num_pages  # bumped whenever a page's content is replaced
         self._free = list(range(num_pages - 1, -1, -1))
@@ -86,9 +81,7 @@ class PagePool:
 
     def paged_kv(self) -> PagedKV:
         """The pool's tensors as the kernels take them (writes go through KernelOps.kv_append)."""
-        if self.quantized:
-            return PagedKV(self.k, self.v, self.page_size, self.k_scale, self.v_scale)
-        return PagedKV(self.k, self.v, self.page_size)
+        return self._kv
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V at slots (any shape), dequantized to the compute dtype."""
