@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.common import triton
+from kernels.common import kernel_flags, triton
 from kernels.paged_kv import PagedKV
 from streamgrok.cache.quant import INT8_MAX, MIN_ABS_MAX, quantize_int8
 
@@ -74,11 +74,9 @@ def kv_append(kv: PagedKV, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     tokens, kv_heads, dim = k.shape
     if tokens == 0:
         return
-    ks = kv.k_scale if kv.quantized else kv.k
-    vs = kv.v_scale if kv.quantized else kv.v
+    flags = kernel_flags(kv)
     _append_kernel[(tokens, kv_heads)](
-        slots, k, v, kv.k, kv.v, ks, vs,
+        slots, k, v, kv.k, kv.v, flags["ks"], flags["vs"],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), kv.k.stride(0), kv.k.stride(1),
-        ks.stride(0) if kv.quantized else 0,
-        DIM=dim, QUANT=kv.quantized,
+        flags["stride_ss"], DIM=dim, QUANT=flags["QUANT"],
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.common import triton
+from kernels.common import kernel_flags, triton
 from kernels.paged_kv import PagedKV
 
 if triton is not None:
@@ -63,10 +63,9 @@ def kv_compact(kv: PagedKV, src: torch.Tensor, dst: torch.Tensor, block: int = 6
     """Triton path; same contract as `reference` (see the module docstring for overlaps)."""
     if src.numel() == 0:
         return
-    ks = kv.k_scale if kv.quantized else kv.k
-    vs = kv.v_scale if kv.quantized else kv.v
+    flags = kernel_flags(kv)
     _compact_kernel[(kv.kv_heads,)](
-        src, dst, src.numel(), kv.k, kv.v, ks, vs,
-        kv.k.stride(0), kv.k.stride(1), ks.stride(0) if kv.quantized else 0,
-        DIM=kv.head_dim, BLOCK=block, QUANT=kv.quantized,
+        src, dst, src.numel(), kv.k, kv.v, flags["ks"], flags["vs"],
+        kv.k.stride(0), kv.k.stride(1), flags["stride_ss"],
+        DIM=kv.head_dim, BLOCK=block, QUANT=flags["QUANT"],
     )
