@@ -226,14 +226,13 @@ class ClientConnection:
         if self.closed:
             return
         if len(self.outbox) >= self.config.outbound_queue:
-            victim = next((i for i, (k, _) in enumerate(self.outbox) if k not in ESSENTIAL),
-                          None)
-            if victim is None:
-                self.dropped_outbound += 1
-                return
-            del self.outbox[victim]
             self.dropped_outbound += 1
             self.server.metrics.outbound_dropped.inc()
+            victim = next((i for i, (k, _) in enumerate(self.outbox) if k not in ESSENTIAL),
+                          None)
+            if victim is None:  # every queued message is essential: drop this one
+                return
+            del self.outbox[victim]
         self.outbox.append((kind, text))
         self.outbox_ready.set()
 
