@@ -41,7 +41,6 @@ class IngestConfig:
     audio: bool = True
     transcribe: bool = True
     frame_queue: int = 8
-    clip_batch: int = 8
     embedding_dedup: float = 0.95
 
 
@@ -144,20 +143,21 @@ class Ingest:
         merger = Interleaver(["video", "audio"],
                              max_delay=2.0 if self.config.live else float("inf"))
 
-        async def emit(name: str, pts: float, item) -> None:
-            merger.push(name, pts, item)
+        async def release() -> None:
             for ready in merger.ready():
                 await out.put(ready)
+
+        async def emit(name: str, pts: float, item) -> None:
+            merger.push(name, pts, item)
+            await release()
 
         async def advance(name: str, pts: float) -> None:
             merger.advance(name, pts)
-            for ready in merger.ready():
-                await out.put(ready)
+            await release()
 
         async def finish(name: str) -> None:
             merger.close(name)
-            for ready in merger.ready():
-                await out.put(ready)
+            await release()
 
         async def video_stage() -> None:
             sampler = RateSampler(self.config.fps)
