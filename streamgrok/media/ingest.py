@@ -58,6 +58,12 @@ class IngestStats:
     started: float = field(default_factory=time.monotonic)
     stream_time: float = 0.0
 
+    @property
+    def dropped_frames(self) -> int:
+        """Frames not turned into tokens: near-duplicates (pixels or embedding) and frames
+        dropped from a full live queue."""
+        return self.pixel_dropped + self.embedding_dropped + self.queue_dropped
+
 
 class Ingest:
     """Turns one media source into an ordered stream of FrameTokens, Notes and MediaErrors."""

@@ -193,8 +193,7 @@ class PipelineRunner:
             "stream_time": self.stats.stream_time,
             "frames_sampled": ingest.sampled_frames if ingest else 0,
             "frames_kept": ingest.kept_frames if ingest else 0,
-            "frames_dropped": (ingest.pixel_dropped + ingest.embedding_dropped
-                               + ingest.queue_dropped) if ingest else 0,
+            "frames_dropped": ingest.dropped_frames if ingest else 0,
             "notes": self.stats.notes,
             "kv_pages_used": snap["kv_pages_used"],
             "kv_pages_total": snap["kv_pages_total"],

@@ -269,7 +269,7 @@ class ClientConnection:
             "evicted_tokens": snap["evicted_tokens"],
             "retained": cache.retained(seq_id) if seq_id in cache.sequences else [],
             "drops": {
-                "frames": (ingest.queue_dropped + ingest.pixel_dropped) if ingest else 0,
+                "frames": ingest.dropped_frames if ingest else 0,
                 "outbound": self.dropped_outbound,
             },
             "stream_time": self.runner.stats.stream_time if self.runner else 0.0,
