@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(PY) -m streamgrok bench kv
 
 lint: $(STAMP)
-	$(PY) -m ruff check streamgrok kernels pipelines tests
+	$(PY) -m ruff check streamgrok kernels pipelines tests demos
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
