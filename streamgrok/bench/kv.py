@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from streamgrok.bench.corpus import stdlib_text
-from streamgrok.bench.timing import median
+from streamgrok.bench.timing import median, timed
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.streaming import feed, greedy_continue
@@ -249,12 +249,13 @@ def eviction_overhead(loaded: LoadedModel, options: KvBenchOptions) -> dict:
         feed(loaded.model, cache, 0, ids, chunk=options.chunk)
         before = (cache.stats.eviction_passes, cache.stats.eviction_seconds)
         step_times = []
-        token = torch.tensor([ids[-1]], device=loaded.model.device)
+        device = loaded.model.device
+        token = torch.tensor([ids[-1]], device=device)
         with torch.inference_mode():
             for _ in range(steps):
-                started = time.perf_counter()
-                loaded.model(token, BatchMetadata.build([0], [1]), cache)
-                step_times.append(time.perf_counter() - started)
+                step_times.append(timed(
+                    lambda token=token, cache=cache: loaded.model(
+                        token, BatchMetadata.build([0], [1]), cache), device))
                 cache.evict([0])
         passes = cache.stats.eviction_passes - before[0]
         evict_s = cache.stats.eviction_seconds - before[1]
