@@ -19,3 +19,8 @@ class UnsupportedArchitecture(ModelLoadError):
 
 class CacheFullError(StreamgrokError):
     """The KV cache has no room left and its policy does not allow eviction."""
+
+
+class RequestTooLarge(StreamgrokError):
+    """A request (question, system prompt, text) cannot fit the session's KV budget or the
+    configured limits; nothing of it was accepted."""

@@ -154,3 +154,65 @@ async def test_one_shot_generate(tiny_loaded):
         assert isinstance(text, str)
         await asyncio.sleep(0.05)
         assert not engine.cache.sequences
+
+
+async def test_work_queued_while_paused_starts_in_one_step(tiny_loaded):
+    async with Engine(tiny_loaded, CACHE, EngineConfig(merge_window_s=0)) as engine:
+        async with engine.paused():
+            sessions = [engine.new_session("sys") for _ in range(3)]
+            for session in sessions:
+                await session.append_message("note " * 4)
+            answers = [s.ask("q?", GREEDY) for s in sessions]
+            await asyncio.sleep(0.1)
+            assert engine.stats.steps == 0  # nothing ran while paused
+        texts = await asyncio.gather(*(a.text() for a in answers))
+        assert engine.stats.recent[0].sequences == 3  # all three sessions in the first step
+    assert len(set(texts)) == 1  # same context, same question: same greedy answer
+
+
+async def test_a_question_larger_than_the_budget_allows_is_rejected_up_front(tiny_loaded):
+    from streamgrok.errors import RequestTooLarge
+
+    async with Engine(tiny_loaded, CACHE, EngineConfig(merge_window_s=0)) as engine:
+        session = engine.new_session("sys")
+        with pytest.raises(RequestTooLarge, match="question needs .* protected tokens"):
+            session.ask("why " * 200, GREEDY)
+        with pytest.raises(RequestTooLarge, match="system prompt"):
+            engine.new_session("rules " * 200)
+        assert await session.ask("still there?", GREEDY).text() is not None
+
+
+async def test_remembered_turns_never_make_eviction_impossible(tiny_loaded):
+    """Many remembered question/answer turns (protected) in a small budget: the session keeps
+    answering; old turns lose protection instead of failing the cache."""
+    async with Engine(tiny_loaded, CACHE, EngineConfig(merge_window_s=0)) as engine:
+        session = engine.new_session("sys")
+        for i in range(8):
+            await session.append_message(f"note {i} " * 6)
+            answer = session.ask(f"question {i}?", GREEDY)
+            await answer.text()
+            assert answer.metrics.finish_reason in ("stop", "length")
+        assert engine.stats.errors == 0
+        assert engine.cache.stats.evicted_tokens > 0
+
+
+async def test_an_eviction_failure_fails_only_its_own_session(tiny_loaded):
+    from streamgrok.errors import CacheFullError
+
+    async with Engine(tiny_loaded, CACHE, EngineConfig(merge_window_s=0)) as engine:
+        victim, bystander = engine.new_session("sys"), engine.new_session("sys")
+        original = engine.cache._evict_sequence
+
+        def failing(seq, force):
+            if seq.seq_id == victim._state.seq_id:
+                raise CacheFullError("injected")
+            return original(seq, force)
+
+        engine.cache._evict_sequence = failing
+        doomed = victim.ask("doomed?", GREEDY)
+        with pytest.raises(StreamgrokError, match="injected"):
+            await doomed.text()
+        with pytest.raises(StreamgrokError, match="ended: .*injected"):
+            await victim.append_message("more")
+        assert await bystander.ask("fine?", GREEDY).text() is not None
+        assert victim._state.seq_id not in engine.cache.sequences

@@ -350,7 +350,8 @@ def test_every_kernel_specialization_compiles_for_the_gpu_without_spills(arch):
 async def test_engine_answers_are_the_same_on_both_kernel_backends(tmp_path):
     """Sessions streaming notes past their budget while asking (answers run on copy-on-write
     forks, eviction compacts shared pages): the same greedy answers through the Triton
-    kernels as through the references."""
+    kernels as through the references. All work is queued while the engine is paused, so
+    both runs schedule the same steps however the machine's threads interleave."""
     from helpers import write_gguf
 
     from streamgrok.engine import Engine, EngineConfig
@@ -360,20 +361,23 @@ async def test_engine_answers_are_the_same_on_both_kernel_backends(tmp_path):
     config = tiny_config(hidden_size=192, num_heads=6, num_kv_heads=2, head_dim=32,
                          max_positions=4096)
     loaded = load_model(write_gguf(tmp_path / "tiny.gguf", random_model(config)))
-    cache = CacheConfig(policy="h2o", budget_tokens=48, evict_slack_tokens=16,
+    cache = CacheConfig(policy="h2o", budget_tokens=96, evict_slack_tokens=16,
                         memory_gib=0.01, kv_dtype="int8")
-    answers = {}
+    answers, evicted = {}, {}
     for backend in ("triton", "torch"):
         loaded.model.kernels = KernelOps(backend)
         async with Engine(loaded, cache, EngineConfig(merge_window_s=0)) as engine:
-            sessions = [engine.new_session("sys") for _ in range(3)]
-            for i, session in enumerate(sessions):
-                await session.append_message("note " * (10 + 9 * i))
-            asks = [s.ask(f"question {i}?", SamplingParams(max_tokens=8))
-                    for i, s in enumerate(sessions)]
-            for session in sessions:
-                await session.append_message("later " * 12)
+            async with engine.paused():
+                sessions = [engine.new_session("sys") for _ in range(3)]
+                for i, session in enumerate(sessions):
+                    await session.append_message("note " * (10 + 9 * i))
+                asks = [s.ask(f"question {i}?", SamplingParams(max_tokens=8))
+                        for i, s in enumerate(sessions)]
+                for session in sessions:
+                    await session.append_message("later " * 12)
             answers[backend] = [await a.text() for a in asks]
-            assert engine.cache.stats.evicted_tokens > 0
+            evicted[backend] = engine.cache.stats.evicted_tokens
+            assert evicted[backend] > 0
     assert all(answers["torch"])  # real tokens, not empty answers
     assert answers["triton"] == answers["torch"]
+    assert evicted["triton"] == evicted["torch"]

@@ -289,14 +289,40 @@ def test_fork_sees_the_snapshot_and_both_sides_stream_on():
 
 def test_limit_protected_releases_oldest_but_not_the_system_prompt():
     cache = PagedKVCache(CFG, CacheConfig(policy="h2o", budget_tokens=64), num_pages=64)
-    cache.add_sequence(0)
+    cache.add_sequence(0, pinned=8)
     append_random(cache, 0, 8, TokenInfo.text(8, protected=True))
     for i in range(4):
         append_random(cache, 0, 10, TokenInfo.text(10, protected=True), seed=i)
-    assert cache.limit_protected(0, max_protected=25, keep_first=8) == 2 * 15
+    assert cache.limit_protected(0, max_protected=25) == 2 * 15
     rec = cache.sequences[0].layers[0]
     prot = rec.column(PROTECTED) > 0
     assert prot[:8].all() and not prot[8:23].any() and prot[23:].all()
+
+
+@pytest.mark.parametrize("policy", ["h2o", "sink_window", "redundancy"])
+def test_protected_text_beyond_the_budget_never_makes_eviction_fail(policy):
+    """More protected tokens than the budget: the oldest after the pinned prefix lose their
+    protection and eviction meets the budget; the pinned prefix and the newest stay."""
+    cache = PagedKVCache(CFG, CacheConfig(policy=policy, budget_tokens=32,
+                                          evict_slack_tokens=0), num_pages=64)
+    cache.add_sequence(0, pinned=6)
+    append_random(cache, 0, 6, TokenInfo.text(6, protected=True))
+    for i in range(3):
+        append_random(cache, 0, 12, TokenInfo.text(12, protected=True), seed=i)
+    assert cache.evict() > 0
+    assert cache.stats.demoted_tokens == CFG.num_layers * (6 + 36 - 32)
+    for rec in cache.sequences[0].layers:
+        assert rec.length == 32
+        stream = rec.column(STREAM)
+        assert stream[:6].tolist() == list(range(6))  # the pinned prefix
+        assert stream[-26:].tolist() == list(range(16, 42))  # the newest protected text
+    check_pool(cache)
+
+
+def test_a_pinned_prefix_larger_than_the_budget_is_refused():
+    cache = PagedKVCache(CFG, CacheConfig(policy="h2o", budget_tokens=32), num_pages=64)
+    with pytest.raises(CacheFullError, match="pinned prefix of 40 tokens"):
+        cache.add_sequence(0, pinned=40)
 
 
 def test_prefix_entry_dies_with_its_pages():

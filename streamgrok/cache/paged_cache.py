@@ -40,6 +40,7 @@ class SequenceState:
     stream_pos: int = 0  # tokens ever appended (the next stream index)
     next_group: int = 0
     last_frame_source: int | None = None
+    pinned: int = 0  # leading stream tokens never unprotected (the system prompt)
 
 
 @dataclass
@@ -50,6 +51,7 @@ class CacheStats:
     prefix_hit_tokens: int = 0
     eviction_passes: int = 0
     evicted_tokens: int = 0
+    demoted_tokens: int = 0  # protected tokens unprotected so eviction could meet a budget
     eviction_seconds: float = 0.0
     evicted_by_layer: list[int] = field(default_factory=list)
 
@@ -111,14 +113,23 @@ class PagedKVCache:
         seq_id: int,
         prefix_tokens: Sequence[int] | None = None,
         prefix_info: TokenInfo | None = None,
+        pinned: int = 0,
     ) -> int:
         """Register a sequence. When `prefix_tokens` (the text it will start with) begin with
         full pages another sequence published, those pages are shared; returns how many leading
-        tokens are therefore already cached and must not be prefilled again."""
+        tokens are therefore already cached and must not be prefilled again.
+
+        The first `pinned` stream tokens (a system prompt) stay protected whatever else is
+        protected; they must fit every layer's budget."""
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id} already exists")
+        budget = self.min_budget()
+        if budget is not None and max(pinned, self.config.sink_tokens) > budget:
+            raise CacheFullError(
+                f"a pinned prefix of {pinned} tokens does not fit the layer budget ({budget})"
+            )
         layers = [LayerTokens(self.config.page_size, self.device) for _ in self.budgets]
-        seq = SequenceState(seq_id, layers)
+        seq = SequenceState(seq_id, layers, pinned=pinned)
         self.sequences[seq_id] = seq
         if not prefix_tokens:
             return 0
@@ -166,22 +177,18 @@ class PagedKVCache:
             copy.length = rec.length
             layers.append(copy)
         self.sequences[dst_id] = SequenceState(
-            dst_id, layers, src.stream_pos, src.next_group, src.last_frame_source
+            dst_id, layers, src.stream_pos, src.next_group, src.last_frame_source, src.pinned
         )
 
     @torch.inference_mode()
-    def limit_protected(self, seq_id: int, max_protected: int, keep_first: int) -> int:
+    def limit_protected(self, seq_id: int, max_protected: int) -> int:
         """Unprotect the oldest protected tokens beyond `max_protected` per layer, never the
-        first `keep_first` stream tokens (the system prompt); returns tokens unprotected."""
+        sequence's pinned prefix (the system prompt); returns tokens unprotected."""
+        seq = self.sequences[seq_id]
         released = 0
-        for rec in self.sequences[seq_id].layers:
-            protected = torch.nonzero(
-                (rec.column(PROTECTED) > 0) & (rec.column(STREAM) >= keep_first)
-            ).flatten()
-            excess = protected.numel() - max_protected
-            if excess > 0:
-                rec.meta[protected[:excess], PROTECTED] = 0.0
-                released += excess
+        for rec in seq.layers:
+            protected = (rec.column(PROTECTED) > 0) & (rec.column(STREAM) >= seq.pinned)
+            released += _unprotect_oldest(rec, int(protected.sum()) - max_protected, seq.pinned)
         return released
 
     def retained(self, seq_id: int, layer: int = 0) -> list[dict]:
@@ -218,6 +225,11 @@ class PagedKVCache:
         for layer in seq.layers:
             self.pool.release(layer.pages)
             layer.set_pages([])
+
+    def min_budget(self) -> int | None:
+        """The smallest per-layer token budget (None when the cache never evicts)."""
+        budgets = [b for b in self.budgets if b is not None]
+        return min(budgets) if budgets else None
 
     def layer_lengths(self, seq_id: int) -> list[int]:
         """Cached tokens per layer."""
@@ -307,31 +319,52 @@ class PagedKVCache:
     # -- eviction --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def evict(self, seq_ids: Sequence[int] | None = None, force: bool = False) -> int:
+    def evict(
+        self,
+        seq_ids: Sequence[int] | None = None,
+        force: bool = False,
+        failed: dict[int, Exception] | None = None,
+    ) -> int:
         """Bring every layer over budget + slack back to its budget; returns tokens evicted.
 
         Run between engine steps. With `force`, layers are cut to budget even within slack.
+        Protected text never makes a budget impossible: when protected tokens and sinks
+        outnumber it, the oldest protected tokens after the pinned prefix lose their
+        protection (counted in `stats.demoted_tokens`) and compete like the rest.
+        With `failed`, a sequence that cannot be evicted is recorded there (seq id -> error)
+        and the others are still evicted; without it the error is raised.
         """
         if not self.config.evicts:
             return 0
         evicted = 0
         started = time.perf_counter()
         for seq_id in seq_ids if seq_ids is not None else list(self.sequences):
-            seq = self.sequences[seq_id]
-            for index, (rec, budget) in enumerate(zip(seq.layers, self.budgets)):
-                limit = budget if force else budget + self.config.slack
-                if rec.length <= limit:
-                    continue
-                view = LayerView(rec, lambda rec=rec: self.pool.read(rec.slots().to(self.device)))
-                keep = select_keep(view, budget, self.scorer, self.config)
-                removed = rec.length - keep.numel()
-                self._compact(rec, keep)
-                self.stats.evicted_by_layer[index] += removed
-                evicted += removed
+            try:
+                evicted += self._evict_sequence(self.sequences[seq_id], force)
+            except CacheFullError as exc:
+                if failed is None:
+                    raise
+                failed[seq_id] = exc
         if evicted:
             self.stats.eviction_passes += 1
             self.stats.evicted_tokens += evicted
             self.stats.eviction_seconds += time.perf_counter() - started
+        return evicted
+
+    def _evict_sequence(self, seq: SequenceState, force: bool) -> int:
+        evicted = 0
+        for index, (rec, budget) in enumerate(zip(seq.layers, self.budgets)):
+            limit = budget if force else budget + self.config.slack
+            if rec.length <= limit:
+                continue
+            self.stats.demoted_tokens += _demote_protected(rec, budget, seq.pinned,
+                                                           self.config.sink_tokens)
+            view = LayerView(rec, lambda rec=rec: self.pool.read(rec.slots().to(self.device)))
+            keep = select_keep(view, budget, self.scorer, self.config)
+            removed = rec.length - keep.numel()
+            self._compact(rec, keep)
+            self.stats.evicted_by_layer[index] += removed
+            evicted += removed
         return evicted
 
     def _compact(self, rec: LayerTokens, keep: torch.Tensor) -> None:
@@ -403,3 +436,20 @@ class PagedKVCache:
         seq.stream_pos += n
         seq.next_group = int(group[-1]) + 1 if n else seq.next_group
         seq.last_frame_source = int(info.source[-1]) if n and bool(is_frame[-1]) else None
+
+
+def _demote_protected(rec: LayerTokens, budget: int, pinned: int, sinks: int) -> int:
+    """Unprotect the oldest protected tokens after the pinned prefix until protected tokens
+    and attention sinks fit `budget`; returns how many were unprotected."""
+    mandatory = (rec.column(PROTECTED) > 0) | (rec.column(STREAM) < sinks)
+    return _unprotect_oldest(rec, int(mandatory.sum()) - budget, max(pinned, sinks))
+
+
+def _unprotect_oldest(rec: LayerTokens, count: int, first: int) -> int:
+    """Unprotect up to `count` of the oldest protected tokens at stream index >= `first`."""
+    if count <= 0:
+        return 0
+    candidates = (rec.column(PROTECTED) > 0) & (rec.column(STREAM) >= first)
+    chosen = torch.nonzero(candidates).flatten()[:count]
+    rec.meta[chosen, PROTECTED] = 0.0
+    return chosen.numel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -23,7 +24,7 @@ from streamgrok.engine.runner import ModelRunner
 from streamgrok.engine.scheduler import Scheduler, StepPlan
 from streamgrok.engine.session import Answer, Session
 from streamgrok.engine.state import AnswerState, SessionState
-from streamgrok.errors import CacheFullError, StreamgrokError
+from streamgrok.errors import CacheFullError, RequestTooLarge, StreamgrokError
 from streamgrok.model.detokenizer import IncrementalDetokenizer
 from streamgrok.model.loader import LoadedModel
 from streamgrok.model.sampling import SamplingParams, new_generator
@@ -57,6 +58,8 @@ class Engine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
+        self._hold = threading.Event()  # paused(): asked to stay between steps
+        self._holding = threading.Event()  # the engine thread is staying between steps
         self._ids = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -87,6 +90,20 @@ class Engine:
     def wake(self) -> None:
         self._wakeup.set()
 
+    @contextlib.asynccontextmanager
+    async def paused(self) -> AsyncIterator[None]:
+        """Hold the engine between steps while the block queues work, so that everything
+        queued inside it is scheduled together when the block ends (reproducible batches, and
+        a way to submit related work atomically). Not reentrant."""
+        self._hold.set()
+        self.wake()
+        try:
+            await asyncio.to_thread(self._wait_until_holding)
+            yield
+        finally:
+            self._hold.clear()
+            self.wake()
+
     # -- asyncio-side API ------------------------------------------------------------------
 
     def new_session(self, system_prompt: str | None = None) -> Session:
@@ -99,6 +116,7 @@ class Engine:
             system_tokens = self.tokenizer.encode(
                 self.tokenizer.render_chat([{"role": "system", "content": system_prompt}],
                                            add_generation_prompt=False))
+        self._check_protected_fits("the system prompt", len(system_tokens))
         space = asyncio.Event()
         loop = self._require_loop()
         state = SessionState(
@@ -125,6 +143,7 @@ class Engine:
         sampling = sampling or SamplingParams()
         turn = question if raw else self.render_turn(session, "user", question, True)
         prompt = self.tokenizer.encode(turn)
+        self._check_protected_fits("the question", len(session.system_tokens) + len(prompt))
         out: asyncio.Queue = asyncio.Queue(maxsize=sampling.max_tokens + 4)
         loop = self._require_loop()
         state = AnswerState(
@@ -202,6 +221,21 @@ class Engine:
             "errors": self.stats.errors,
         }
 
+    def protected_limit(self) -> int | None:
+        """Most protected tokens (system prompt, a question, a remembered turn) one session
+        may hold: `max_protected_fraction` of the smallest layer budget."""
+        budget = self.cache.min_budget()
+        return None if budget is None else int(budget * self.config.max_protected_fraction)
+
+    def _check_protected_fits(self, what: str, tokens: int) -> None:
+        limit = self.protected_limit()
+        if limit is not None and tokens > limit:
+            raise RequestTooLarge(
+                f"{what} needs {tokens} protected tokens, more than the session may hold "
+                f"({limit}: {self.config.max_protected_fraction:.0%} of the KV budget of "
+                f"{self.cache.min_budget()} tokens); shorten it or raise the KV budget"
+            )
+
     def _require_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             raise StreamgrokError("the engine is not started (use `async with Engine(...)`)")
@@ -231,6 +265,9 @@ class Engine:
         with torch.inference_mode():
             idle = True
             while not self._stopping.is_set():
+                if self._hold.is_set():
+                    self._stay_between_steps()
+                    continue
                 try:
                     idle = self._iterate(idle)
                 except Exception as exc:  # keep serving: fail what was in flight, go on
@@ -238,6 +275,18 @@ class Engine:
                     self.stats.errors += 1
                     self._fail_in_flight(f"engine error: {exc}")
             self._shutdown()
+
+    def _wait_until_holding(self) -> None:
+        while not self._holding.wait(timeout=0.05):
+            if self._thread is None or not self._thread.is_alive():
+                raise StreamgrokError("the engine is not running")
+
+    def _stay_between_steps(self) -> None:
+        self._holding.set()
+        while self._hold.is_set() and not self._stopping.is_set():
+            self._wakeup.wait(timeout=0.05)
+            self._wakeup.clear()
+        self._holding.clear()
 
     def _iterate(self, idle: bool) -> bool:
         """One scheduling round; returns whether the engine is idle afterwards."""
@@ -288,7 +337,8 @@ class Engine:
     def _register(self, state: SessionState) -> None:
         try:
             reused = self.cache.add_sequence(
-                state.seq_id, prefix_tokens=state.system_tokens or None
+                state.seq_id, prefix_tokens=state.system_tokens or None,
+                pinned=len(state.system_tokens),
             )
         except Exception as exc:
             log.exception("session %d could not start", state.session_id)
@@ -304,9 +354,13 @@ class Engine:
 
     def _close(self, state: SessionState, error: str | None = None) -> None:
         """Free a session; its answers end as cancelled, or with `error` when it failed."""
+        state.error = error
         state.closing = True
         for answer in list(state.answers.values()):
-            self._end_answer(state, answer, "cancelled")
+            if error is None:
+                self._end_answer(state, answer, "cancelled")
+            else:
+                self._abort_answer(state, answer, error)
         for item in state.pending.snapshot():
             if isinstance(item, QuestionMarker):
                 if error is None:
@@ -366,10 +420,30 @@ class Engine:
                 answer.prompt_done += len(span)
             if index in sampled:
                 self._on_token(answer, sampled[index], now)
-        self.cache.evict()
+        self._evict()
         self._publish_prefixes()
         self.stats.record(StepRecord(time.perf_counter() - started, plan.decode_tokens,
                                      plan.prefill_tokens, len(plan.spans)))
+
+    def _evict(self) -> None:
+        """Evict every sequence over budget; one that cannot be evicted fails its owner (that
+        answer, or that session) and nobody else."""
+        failed: dict[int, Exception] = {}
+        self.cache.evict(failed=failed)
+        for seq_id, exc in failed.items():
+            log.warning("sequence %d could not be evicted: %s", seq_id, exc)
+            self.stats.errors += 1
+            self._fail_sequence(seq_id, f"the KV cache could not make room: {exc}")
+
+    def _fail_sequence(self, seq_id: int, message: str) -> None:
+        for session in list(self._sessions.values()):
+            if session.seq_id == seq_id:
+                self._close(session, error=message)
+                return
+            for answer in list(session.answers.values()):
+                if answer.seq_id == seq_id:
+                    self._abort_answer(session, answer, message)
+                    return
 
     def _consume(self, span) -> None:
         session = span.session
@@ -415,15 +489,14 @@ class Engine:
     def _remember(self, session: SessionState, answer: AnswerState) -> None:
         """The question and its answer join the session's context as (protected) text."""
         ids = answer.prompt.tolist() + answer.generated + self._end_of_turn
-        protect = self.config.protect_answers
+        limit = self.protected_limit()
+        room = None if limit is None else limit - len(session.system_tokens)
+        protect = self.config.protect_answers and (room is None or len(ids) <= room)
         session.pending.put(AppendItem(TokenInfo.text(len(ids), protected=protect),
                                        torch.tensor(ids, dtype=torch.long)))
-        budgets = [b for b in self.cache.budgets if b is not None]
-        if protect and budgets:
-            limit = int(min(budgets) * self.config.max_protected_fraction)
+        if protect and room is not None:
             self.stats.unprotected_tokens += self.cache.limit_protected(
-                session.seq_id, max(0, limit - len(ids)), keep_first=len(session.system_tokens)
-            )
+                session.seq_id, room - len(ids))
 
     def _publish_prefixes(self) -> None:
         for session in self._active_sessions():

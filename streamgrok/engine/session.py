@@ -170,4 +170,6 @@ class Session:
     def _check_open(self) -> None:
         if self.closed:
             raise StreamgrokError(f"session {self.id} is closed")
+        if self._state.error is not None:
+            raise StreamgrokError(f"session {self.id} ended: {self._state.error}")
 

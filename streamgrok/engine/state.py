@@ -57,3 +57,4 @@ class SessionState:
     registered: bool = False
     prefix_published: bool = False
     closing: bool = False
+    error: str | None = None  # why the engine ended the session, if it failed
