@@ -27,7 +27,7 @@ async def main(args: argparse.Namespace) -> None:
     data = Path(args.video).read_bytes()
     async with connect(url, max_size=2**24) as ws:
         await ws.send(json.dumps({"type": "session.start", "id": "start",
-                                  "options": {"fps": str(args.fps)}}))
+                                  "options": {"fps": args.fps}}))
         started = time.monotonic()
         pending = sorted(args.ask_at or [], key=lambda x: float(x[0]))
         finished = asyncio.Event()

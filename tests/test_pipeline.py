@@ -48,7 +48,7 @@ def clip(tmp_path_factory):
 async def run_file(loaded, name, clip, options=None, asks=()):
     pipeline = load_pipeline(PIPELINES / name, {"transcribe": "false", **(options or {})})
     sink = Collect()
-    cache = CacheConfig(budget_tokens=512, memory_gib=0.05)
+    cache = CacheConfig(budget_tokens=1024, memory_gib=0.05)
     async with Engine(loaded, cache, EngineConfig(merge_window_s=0)) as engine:
         stats = await PipelineRunner(pipeline, engine, [sink]).run(str(clip), list(asks))
         await_pages = engine.cache.pool.used_pages

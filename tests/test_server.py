@@ -32,7 +32,7 @@ def tiny_loaded(tmp_path_factory):
 async def server(tiny_loaded):
     config = ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
                           stats_interval_s=0.2, max_media_per_second=50)
-    srv = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=256,
+    srv = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512,
                                                             memory_gib=0.05))
     await srv.start()
     yield srv
@@ -118,6 +118,21 @@ BAD_INPUTS = [
     (pack_media("audio.pcm16", 0, 1.0, b"\x00\x01\x02"), "bad_audio"),
     (b"\x09" + b"\x00" * 20, "bad_media"),
     (b"\x01" + b"\x00" * 10 + b"x" * (2 * 2**20 + 10), "too_large"),
+    # strict JSON and field types
+    ("[" * 100_000, "bad_json"),
+    ('{"type": "query", "text": "hi", "id": NaN}', "bad_json"),
+    ('{"type": "query", "text": "hi", "id": ' + "9" * 5000 + "}", "bad_json"),
+    (json.dumps({"text": "no type"}), "missing_field"),
+    (json.dumps({"type": "query", "text": "hi", "id": {"a": 1}}), "bad_field"),
+    (json.dumps({"type": 7}), "bad_field"),
+    ('{"type": "query", "text": "\\ud800 lone"}', "bad_field"),
+    ('{"type": "input.text", "text": "\\udfff"}', "bad_field"),
+    (json.dumps({"type": "query", "text": "why " * 10_000}), "too_large"),
+    (json.dumps({"type": "query", "text": "why " * 300}), "too_large"),  # over the KV budget
+    # media headers: timestamps must be finite and bounded
+    (pack_media("video.frame", 0, float("inf"), b"x"), "bad_media"),
+    (pack_media("video.frame", 0, 1e308, b"x"), "bad_media"),
+    (pack_media("video.chunk", 0, 0.0, b"garbage, no container header"), "bad_media"),
 ]
 
 
@@ -140,6 +155,8 @@ async def test_bad_input_matrix_keeps_connection_and_others_alive(server):
                 await ws.send(pack_media("video.frame", 0, i / 100, jpeg()))
             error, _ = await recv_until(ws, "error")
             assert error["code"] == "rate_limited"
+            await asyncio.sleep(1.1)  # the flood is over: frames are taken again
+            await ws.send(pack_media("video.frame", 0, 2.0, jpeg()))
             await ws.send(json.dumps({"type": "query", "id": "ok", "text": "still there?"}))
             done, _ = await recv_until(ws, "response.done")
             assert done["query_id"] == "ok"
@@ -221,3 +238,104 @@ async def test_origin_allow_list(server):
     assert refused.value.response.status_code == 403
     async with connect(url(server), origin=f"http://127.0.0.1:{server.port}") as ws:
         await start(ws)
+
+
+def encoded(image: np.ndarray, ext: str = ".jpg") -> bytes:
+    return cv2.imencode(ext, image)[1].tobytes()
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height (a decompression bomb's shape)."""
+    import struct
+    import zlib
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    idat = zlib.compress(b"\x00" * 4096)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+async def test_small_odd_and_huge_frames_never_hurt_the_server(server):
+    """Frames that crashed OpenCV's people detector (64x64, 96x72), frames below the minimum
+    size and a 20000x20000 PNG header: refused or observed, and both clients keep working."""
+    async with connect(url(server)) as other, connect(url(server)) as ws:
+        await start(other)
+        await start(ws)
+        for w, h in [(1, 1), (32, 24), (20, 400)]:
+            await ws.send(pack_media("video.frame", 0, 0.1, encoded(np.zeros((h, w, 3), "u1"))))
+            error, _ = await recv_until(ws, "error")
+            assert error["code"] == "bad_image" and "smaller than the minimum" in error["message"]
+        await ws.send(pack_media("video.frame", 0, 0.2, png_header_only(20_000, 20_000)))
+        error, _ = await recv_until(ws, "error")
+        assert error["code"] == "bad_image"
+        for i, (w, h) in enumerate([(64, 64), (96, 72), (64, 128), (33, 500)]):
+            image = np.random.default_rng(i).integers(0, 255, (h, w, 3), dtype=np.uint8)
+            await ws.send(pack_media("video.frame", 0, 1.0 + i, encoded(image)))
+        await ws.send(json.dumps({"type": "query", "id": "after", "text": "ok?"}))
+        done, seen = await recv_until(ws, "response.done")
+        assert done["query_id"] == "after"
+        assert not [m for m in seen if m["type"] == "error"]
+        await other.send(json.dumps({"type": "query", "id": "o", "text": "and you?"}))
+        done, _ = await recv_until(other, "response.done")
+        assert done["query_id"] == "o"
+    assert server.resources.media_pool.stats.crashes == 0
+
+
+async def test_a_media_worker_crash_costs_one_frame_only(server):
+    """A worker dying natively (os.abort) while two clients stream: the worker is replaced,
+    the frames after it are observed, and the other client's answers never stop."""
+    pool = server.resources.media_pool
+    async with connect(url(server)) as other, connect(url(server)) as ws:
+        await start(other)
+        await start(ws)
+        await ws.send(pack_media("video.frame", 0, 0.5, jpeg()))
+        from streamgrok.media.native_pool import MediaWorkerError
+
+        with pytest.raises(MediaWorkerError, match="crashed"):
+            await asyncio.to_thread(pool.crash_one_worker)
+        await other.send(json.dumps({"type": "query", "id": "o", "text": "still?"}))
+        for t in (1.5, 4.0):  # the later frame releases the notes before it (no audio here)
+            await ws.send(pack_media("video.frame", 0, t, jpeg("coffee")))
+        note, seen = await recv_until(ws, "event")
+        assert note["kind"] == "note" and not [m for m in seen if m["type"] == "error"]
+        await ws.send(json.dumps({"type": "query", "id": "w", "text": "and now?"}))
+        done, seen = await recv_until(ws, "response.done")
+        assert done["query_id"] == "w" and not [m for m in seen if m["type"] == "error"]
+        done, _ = await recv_until(other, "response.done")
+        assert done["query_id"] == "o"
+    assert pool.stats.crashes == 1
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ('{"clip_weights": "/etc/passwd"}', "cannot be set by a client"),
+    ('{"projector": "../../../etc/passwd"}', "cannot be set by a client"),
+    ('{"live": false}', "cannot be set by a client"),
+    ('{"fps": 0}', "must be in (0.0, 30.0]"),
+    ('{"fps": -1}', "must be in"),
+    ('{"fps": 1e999}', "must be finite"),  # a JSON number that overflows to infinity
+    ('{"fps": "abc"}', "must be a float"),
+    ('{"fps": true}', "must be a number"),
+    ('{"transcribe": "maybe"}', "true or false"),
+])
+async def test_session_options_are_an_allow_list(server, options, fragment):
+    async with connect(url(server)) as ws:
+        await ws.send('{"type": "session.start", "id": "s", "options": ' + options + "}")
+        error, _ = await recv_until(ws, "error")
+        assert error["code"] == "bad_option" and error["message_id"] == "s"
+        assert fragment in error["message"] and "passwd" not in error["message"]
+        await ws.send(json.dumps({"type": "session.start", "id": "s2",
+                                  "options": {"fps": 2, "transcribe": "false"}}))
+        await recv_until(ws, "session.started")  # the connection is still usable
+
+
+async def test_http_path_with_a_nul_byte_is_a_bad_request(server):
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /ind\x00ex.html HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status.split()[1] == b"400"

@@ -30,6 +30,7 @@ class EngineConfig:
     media_wait_s: float = 0.25
     frame_queue: int = 64
     text_queue_tokens: int = 16_384
+    max_append_tokens: int = 8_192  # one text append; larger ones are refused (RequestTooLarge)
     protect_answers: bool = True
     max_protected_fraction: float = 0.5
     max_sessions: int = 256

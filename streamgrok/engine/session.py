@@ -11,7 +11,7 @@ import torch
 from streamgrok.engine.metrics import AnswerMetrics
 from streamgrok.engine.pending import AppendItem
 from streamgrok.engine.state import AnswerState, SessionState
-from streamgrok.errors import StreamgrokError
+from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.model.sampling import SamplingParams
 from streamgrok.stream_tokens import Modality, TokenInfo
 
@@ -113,6 +113,10 @@ class Session:
         """Queue token ids (never dropped); waits while the text queue is full."""
         self._check_open()
         n = token_ids.numel()
+        limit = self._engine.config.max_append_tokens
+        if n > limit:
+            raise RequestTooLarge(f"an append of {n} tokens exceeds the limit of {limit}; "
+                                  "send it in parts")
         pending = self._state.pending
         while pending.text_room() < n and pending.pending_tokens() > 0:
             self._space.clear()

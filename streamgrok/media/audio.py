@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,15 +31,17 @@ class PocketSphinxTranscriber:
         from pocketsphinx import Decoder
 
         self.decoder = Decoder(samprate=RATE, loglevel="FATAL")
+        self._lock = threading.Lock()  # one utterance at a time: sessions share a decoder
 
     def transcribe(self, samples: np.ndarray, rate: int) -> str:
         if rate != RATE:
             raise ValueError(f"pocketsphinx expects {RATE} Hz audio, got {rate}")
         pcm = (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
-        self.decoder.start_utt()
-        self.decoder.process_raw(pcm, full_utt=True)
-        self.decoder.end_utt()
-        hypothesis = self.decoder.hyp()
+        with self._lock:
+            self.decoder.start_utt()
+            self.decoder.process_raw(pcm, full_utt=True)
+            self.decoder.end_utt()
+            hypothesis = self.decoder.hyp()
         return hypothesis.hypstr if hypothesis else ""
 
 

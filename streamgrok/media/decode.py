@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 import av
-import cv2
 import numpy as np
 
 from streamgrok.media.items import AudioChunk, MediaError, VideoFrame
+from streamgrok.media.native_worker import ImageLimits, decode_frame
 
 AUDIO_RATE = 16_000
 
@@ -80,13 +80,12 @@ def _seconds(pts: int | None, time_base) -> float | None:
     return None if pts is None or time_base is None else float(pts * time_base)
 
 
-def decode_image(data: bytes, pts: float, index: int) -> VideoFrame:
-    """One JPEG/PNG frame; raises ValueError naming the problem if it is not an image."""
-    array = np.frombuffer(data, dtype=np.uint8)
-    image = cv2.imdecode(array, cv2.IMREAD_COLOR) if array.size else None
-    if image is None:
-        raise ValueError(f"not a decodable JPEG/PNG image ({len(data)} bytes)")
-    return VideoFrame(cv2.cvtColor(image, cv2.COLOR_BGR2RGB), pts, index)
+def decode_image(data: bytes, pts: float, index: int,
+                 limits: ImageLimits | None = None) -> VideoFrame:
+    """One JPEG/PNG frame decoded in this process; raises ValueError naming the problem if it
+    is not an image or its header is outside `limits` (checked before decoding). The server
+    decodes in worker processes instead (`NativeMediaPool.decode_image`)."""
+    return VideoFrame(decode_frame(data, limits or ImageLimits()), pts, index)
 
 
 def pcm16_chunk(data: bytes, pts: float, rate: int = AUDIO_RATE) -> AudioChunk:
@@ -97,6 +96,17 @@ def pcm16_chunk(data: bytes, pts: float, rate: int = AUDIO_RATE) -> AudioChunk:
         raise ValueError(f"PCM16 audio needs an even number of bytes, got {len(data)}")
     samples = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
     return AudioChunk(samples, pts, rate)
+
+
+def container_kind(head: bytes) -> str | None:
+    """'mp4' or 'webm' when `head` (the first bytes of a pushed stream) starts like a
+    fragmented MP4 (an ISO-BMFF box: ftyp, styp, moof) or WebM/Matroska (EBML magic), else
+    None: such bytes never reach the demuxer."""
+    if head[:4] == b"\x1a\x45\xdf\xa3":
+        return "webm"
+    if len(head) >= 8 and head[4:8] in (b"ftyp", b"styp", b"moof", b"moov"):
+        return "mp4"
+    return None
 
 
 class ByteFeed(io.RawIOBase):

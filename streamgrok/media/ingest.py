@@ -11,19 +11,23 @@ behind; file sources block instead, so nothing is lost. Audio and text are never
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+import cv2
+
 from streamgrok.channel import Channel, ChannelClosed
+from streamgrok.errors import StreamgrokError
 from streamgrok.media.audio import AudioObserver, PocketSphinxTranscriber, Transcriber
 from streamgrok.media.clip import ClipEncoder, EmbeddingDedup
 from streamgrok.media.decode import decode_container
 from streamgrok.media.interleave import Interleaver
 from streamgrok.media.items import AudioChunk, FrameTokens, MediaError, Note, Tick, VideoFrame
-from streamgrok.media.observers import FrameObserver
+from streamgrok.media.observers import FrameDetectors, FrameObserver
 from streamgrok.media.projector import Projector
 from streamgrok.media.sampling import PixelDedup, RateSampler
 
@@ -42,6 +46,12 @@ class IngestConfig:
     transcribe: bool = True
     frame_queue: int = 8
     embedding_dedup: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.fps) or not 0 < self.fps <= 1000:
+            raise ValueError(f"fps must be a finite number in (0, 1000], not {self.fps}")
+        if self.frame_queue < 1:
+            raise ValueError(f"frame_queue must be >= 1, not {self.frame_queue}")
 
 
 @dataclass
@@ -74,13 +84,14 @@ class Ingest:
         clip: ClipEncoder | None = None,
         projector: Projector | None = None,
         transcriber: Transcriber | None = None,
+        detectors: FrameDetectors | None = None,
     ) -> None:
         self.config = config or IngestConfig()
         self.clip = clip
         self.projector = projector
         if clip is not None and projector is None:
             raise ValueError("CLIP frame tokens need a projector to the language model")
-        self.observer = FrameObserver() if self.config.observers else None
+        self.observer = FrameObserver(detectors) if self.config.observers else None
         self.audio = None
         if self.config.audio:
             if transcriber is None and self.config.transcribe:
@@ -189,8 +200,14 @@ class Ingest:
                     await advance("video", item.pts)
                     continue
                 self.stats.kept_frames += 1
-                for produced in await asyncio.to_thread(self._process_frame, item, embed_dedup):
-                    await emit("video", item.pts, produced)
+                try:
+                    produced = await asyncio.to_thread(self._process_frame, item, embed_dedup)
+                except (StreamgrokError, ValueError, cv2.error) as exc:  # that frame only
+                    self.stats.errors += 1
+                    produced = [MediaError(f"frame at {item.pts:.2f}s dropped: {exc}",
+                                           pts=item.pts, stage="observe")]
+                for one in produced:
+                    await emit("video", item.pts, one)
                 await advance("video", item.pts)
             self.stats.queue_dropped += video_in.stats.dropped
             await finish("video")

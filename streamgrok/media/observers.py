@@ -5,10 +5,13 @@ They give a pipeline real, honest notes about the video when no CLIP weights are
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import cv2
 import numpy as np
 
 from streamgrok.media.items import Note, VideoFrame
+from streamgrok.media.native_worker import Detectors
 
 # Named colours for describing dominant colours in words (RGB).
 PALETTE = {
@@ -19,18 +22,21 @@ PALETTE = {
 }
 
 
+class FrameDetectors(Protocol):
+    """Counts faces and people in an RGB frame: `native_worker.Detectors` in this process, or
+    a `NativeMediaPool` that runs them in worker processes."""
+
+    def detect(self, image: np.ndarray, faces: bool, people: bool) -> tuple[int, int]: ...
+
+
 class FrameObserver:
     """Describes a sampled frame in a short note; repeats nothing that did not change."""
 
-    def __init__(self, faces: bool = True, people: bool = True, colours: bool = True,
-                 analysis_width: int = 400) -> None:
-        self.faces = cv2.CascadeClassifier(
-            cv2.data.haarcascades + "haarcascade_frontalface_default.xml"
-        ) if faces else None
-        self.hog = None
-        if people:
-            self.hog = cv2.HOGDescriptor()
-            self.hog.setSVMDetector(cv2.HOGDescriptor_getDefaultPeopleDetector())
+    def __init__(self, detectors: FrameDetectors | None = None, faces: bool = True,
+                 people: bool = True, colours: bool = True, analysis_width: int = 400) -> None:
+        self.detectors = detectors or Detectors()
+        self.find_faces = faces
+        self.find_people = people
         self.colours = colours
         self.width = analysis_width
         self._previous_gray: np.ndarray | None = None
@@ -41,8 +47,9 @@ class FrameObserver:
         image = _resize_to_width(frame.image, self.width)
         gray = cv2.cvtColor(image, cv2.COLOR_RGB2GRAY)
         parts, tags = [], set()
-        faces = self.count_faces(gray)
-        people = self.count_people(image)
+        faces, people = 0, 0
+        if self.find_faces or self.find_people:
+            faces, people = self.detectors.detect(image, self.find_faces, self.find_people)
         if people:
             parts.append(f"{people} {'person' if people == 1 else 'people'}")
             tags.add("person")
@@ -64,20 +71,6 @@ class FrameObserver:
         self._last_summary = summary
         text = ("scene cut; " if cut else "") + summary
         return Note(text, frame.pts, source=frame.index, tags=tags)
-
-    def count_faces(self, gray: np.ndarray) -> int:
-        if self.faces is None:
-            return 0
-        found = self.faces.detectMultiScale(gray, scaleFactor=1.1, minNeighbors=5,
-                                            minSize=(24, 24))
-        return len(found)
-
-    def count_people(self, image: np.ndarray) -> int:
-        if self.hog is None:
-            return 0
-        rects, weights = self.hog.detectMultiScale(image, winStride=(8, 8), padding=(8, 8),
-                                                   scale=1.05)
-        return int(sum(1 for w in np.ravel(weights) if w > 0.5))
 
     def motion(self, gray: np.ndarray) -> float:
         """Fraction of pixels that changed clearly since the previous observed frame."""

@@ -1,7 +1,8 @@
 """Load a pipeline definition from a Python file, by path (no directory scanning).
 
 A pipeline file defines `build_pipeline(options: dict) -> Pipeline`; `options` holds the
-command line's `--set key=value` pairs or a websocket client's `session.start` options.
+command line's `--set key=value` pairs, or the server's options plus the `session.start`
+options a client may set (the pipeline's `client_options` allow-list).
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ from typing import Any
 
 from streamgrok.errors import StreamgrokError
 from streamgrok.pipeline.pipeline import Pipeline
+from streamgrok.pipeline.resources import PipelineOptions, SharedResources
 
 
 class PipelineLoadError(StreamgrokError):
     """A pipeline file is missing, broken, or defines no pipeline."""
 
 
-def load_pipeline(path: str | Path, options: dict[str, Any] | None = None) -> Pipeline:
-    """Import the file at `path` and build its pipeline with `options`."""
+def load_pipeline(path: str | Path, options: dict[str, Any] | None = None,
+                  resources: SharedResources | None = None) -> Pipeline:
+    """Import the file at `path` and build its pipeline with `options`; encoders it asks
+    for through `frame_encoders` come from `resources` when given (loaded once)."""
     path = Path(path)
     if not path.is_file():
         raise PipelineLoadError(f"pipeline file not found: {path}")
@@ -46,7 +50,7 @@ def load_pipeline(path: str | Path, options: dict[str, Any] | None = None) -> Pi
         raise PipelineLoadError(
             f"{path} defines no pipeline: add `def build_pipeline(options) -> Pipeline`"
         )
-    pipeline = build(dict(options or {}))
+    pipeline = build(PipelineOptions(options, resources))
     if not isinstance(pipeline, Pipeline):
         raise PipelineLoadError(
             f"{path}: build_pipeline returned {type(pipeline).__name__}, not a Pipeline"

@@ -14,12 +14,15 @@ from typing import Any, Protocol
 
 from streamgrok.engine import Engine
 from streamgrok.engine.session import Answer, Session
+from streamgrok.errors import StreamgrokError
 from streamgrok.media.clip import ClipEncoder
 from streamgrok.media.ingest import Ingest, IngestConfig
 from streamgrok.media.items import FrameTokens, MediaError, Note
 from streamgrok.media.projector import Projector
 from streamgrok.model.sampling import SamplingParams
 from streamgrok.pipeline.events import Event
+from streamgrok.pipeline.options import DEFAULT_CLIENT_OPTIONS, ClientOption
+from streamgrok.pipeline.resources import SharedResources
 from streamgrok.pipeline.stage import Stage, start_chain
 from streamgrok.pipeline.triggers import At, Trigger
 
@@ -47,6 +50,9 @@ class Pipeline:
     )
     clip: ClipEncoder | None = None
     projector: Projector | None = None
+    # what a remote client may set in session.start (everything else is server configuration)
+    client_options: dict[str, ClientOption] = field(
+        default_factory=lambda: dict(DEFAULT_CLIENT_OPTIONS))
 
 
 @dataclass
@@ -62,9 +68,11 @@ class PipelineRunner:
     """Runs one pipeline on one source for one engine session."""
 
     def __init__(self, pipeline: Pipeline, engine: Engine, sinks: list[Sink],
-                 progress: Callable[[dict], None] | None = None) -> None:
+                 progress: Callable[[dict], None] | None = None,
+                 resources: SharedResources | None = None) -> None:
         self.pipeline = pipeline
         self.engine = engine
+        self.resources = resources
         self.sinks = sinks
         self.progress = progress
         self.stats = RunStats()
@@ -86,12 +94,28 @@ class PipelineRunner:
         """Open the engine session and the ingest (before pushing media or asking)."""
         if self.session is None:
             self.session = self.engine.new_session(self.pipeline.system_prompt)
-            self.ingest = Ingest(self.pipeline.ingest, self.pipeline.clip,
-                                 self.pipeline.projector)
+            config = self.pipeline.ingest
+            shared = self.resources
+            transcriber = None
+            if shared is not None and config.audio and config.transcribe:
+                transcriber = shared.transcriber()
+            self.ingest = Ingest(config, self.pipeline.clip, self.pipeline.projector,
+                                 transcriber, shared.media_pool if shared else None)
 
     def ask(self, question: str, kind: str = "answer") -> Answer:
         """Ask the session now (a client's query); the answer streams to the sinks."""
         return self._ask(question, kind)
+
+    def _fire(self, question: str, kind: str, pts: float | None = None) -> None:
+        """A trigger's question: one the session refuses becomes an error event, and the
+        pipeline goes on."""
+        try:
+            self._ask(question, kind, pts)
+        except StreamgrokError as exc:
+            self.stats.errors += 1
+            self._answers.append(asyncio.create_task(self.send(Event(
+                "error", f"{kind} question refused: {exc}", pts or self.stats.stream_time,
+                {"stage": "trigger"}))))
 
     async def run_items(self, items: AsyncIterator[Any],
                         asks: list[Trigger] | None = None) -> RunStats:
@@ -122,7 +146,7 @@ class PipelineRunner:
             for trigger in triggers:  # questions set for after the end of a short stream
                 if isinstance(trigger, At) and not trigger.fired:
                     trigger.fired = True
-                    self._ask(trigger.question, trigger.kind)
+                    self._fire(trigger.question, trigger.kind)
             await asyncio.gather(*self._answers)
         finally:
             producer.cancel()
@@ -149,7 +173,7 @@ class PipelineRunner:
             for trigger in triggers:
                 question = trigger.on_note(item)
                 if question:
-                    self._ask(question, trigger.kind, item.pts)
+                    self._fire(question, trigger.kind, item.pts)
         elif isinstance(item, MediaError):
             self.stats.errors += 1
             await self.send(Event("error", item.message, item.pts, {"stage": item.stage}))
@@ -161,7 +185,7 @@ class PipelineRunner:
         for trigger in triggers:
             question = trigger.on_time(self.stats.stream_time)
             if question:
-                self._ask(question, trigger.kind)
+                self._fire(question, trigger.kind)
 
     def _ask(self, question: str, kind: str, pts: float | None = None) -> Answer:
         answer = self.session.ask(question, self.pipeline.sampling)

@@ -18,8 +18,12 @@ from websockets.http11 import Request, Response
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine
+from streamgrok.media.native_pool import NativeMediaPool
 from streamgrok.model.loader import LoadedModel
 from streamgrok.pipeline.loader import load_pipeline
+from streamgrok.pipeline.options import check_client_options
+from streamgrok.pipeline.pipeline import Pipeline
+from streamgrok.pipeline.resources import SharedResources
 from streamgrok.server.connection import ClientConnection
 from streamgrok.server.metrics import ServerMetrics
 
@@ -41,12 +45,14 @@ class ServerConfig:
     allowed_origins: list[str] = field(default_factory=list)
     pipeline_options: dict = field(default_factory=dict)
     max_message_bytes: int = 2 * 2**20
+    max_text_chars: int = 32_768  # input.text and query text (the engine bounds tokens too)
     max_inflight_queries: int = 4
     max_media_per_second: int = 30
     idle_timeout_s: float = 300.0
     outbound_queue: int = 256
     stats_interval_s: float = 2.0
     max_sessions: int = 32
+    media_workers: int = 2  # processes for image decoding and OpenCV detectors
     static_dir: Path = STATIC_DIR
 
     def __post_init__(self) -> None:
@@ -72,14 +78,27 @@ class StreamgrokServer:
 
     def __init__(self, loaded: LoadedModel, config: ServerConfig,
                  cache: CacheConfig | None = None) -> None:
-        load_pipeline(config.pipeline_path, dict(config.pipeline_options))  # fail early
         self.loaded = loaded
         self.config = config
+        self.resources = SharedResources(NativeMediaPool(config.media_workers))
+        self.pipeline = self.session_pipeline(None)  # fail early; the client allow-list
+        ingest = self.pipeline.ingest
+        if ingest.audio and ingest.transcribe:
+            self.resources.transcriber()  # loaded once, before the first client waits on it
         self.cache_config = cache or CacheConfig()
         self.metrics = ServerMetrics()
         self.engine: Engine | None = None
         self.active_sessions = 0
         self.server: Server | None = None
+
+    def session_pipeline(self, client_options: dict | None) -> Pipeline:
+        """The pipeline of a new session: the server's options, plus what the client may set
+        (checked against the pipeline's allow-list); encoders are shared, not reloaded."""
+        options = {**self.config.pipeline_options, "live": "true",
+                   "hidden_size": self.loaded.config.hidden_size}
+        if client_options is not None:
+            options.update(check_client_options(self.pipeline.client_options, client_options))
+        return load_pipeline(self.config.pipeline_path, options, self.resources)
 
     async def start(self) -> Server:
         self.engine = Engine(self.loaded, self.cache_config)
@@ -106,6 +125,7 @@ class StreamgrokServer:
             await self.server.wait_closed()
         if self.engine is not None:
             await self.engine.stop()
+        self.resources.close()
 
     @property
     def port(self) -> int:
@@ -124,6 +144,8 @@ class StreamgrokServer:
         return hmac.compare_digest(offered.encode(), self.config.token.encode())
 
     def _process_request(self, connection: ServerConnection, request: Request):
+        if not request.path.isprintable():
+            return connection.respond(http.HTTPStatus.BAD_REQUEST, "bad request path\n")
         path = urlsplit(request.path).path
         upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
         if upgrade:

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from streamgrok.errors import StreamgrokError
-from streamgrok.media.decode import ByteFeed, decode_image, pcm16_chunk
-from streamgrok.media.items import AudioChunk
+from streamgrok.errors import RequestTooLarge, StreamgrokError
+from streamgrok.media.decode import ByteFeed, container_kind, pcm16_chunk
+from streamgrok.media.items import AudioChunk, VideoFrame
+from streamgrok.media.native_pool import MediaWorkerError
 from streamgrok.pipeline.events import Event
-from streamgrok.pipeline.loader import load_pipeline
+from streamgrok.pipeline.options import OptionError
 from streamgrok.pipeline.pipeline import PipelineRunner
 from streamgrok.server.protocol import ProtocolError, event, parse_binary, parse_text
 
@@ -44,6 +45,8 @@ class ClientConnection:
         self.answers: dict[Any, Any] = {}  # client query id -> Answer
         self.frame_index = 0
         self.media_times: deque[float] = deque()
+        self.rate_limited = 0  # media messages dropped over the per-second limit
+        self.rate_limit_reported = float("-inf")
         self.outbox: deque[tuple[str, str]] = deque()
         self.outbox_ready = asyncio.Event()
         self.dropped_outbound = 0
@@ -83,6 +86,10 @@ class ClientConnection:
                 await self._handle_control(message)
         except ProtocolError as exc:
             self.error(exc.code, str(exc), exc.message_id or message_id)
+        except OptionError as exc:
+            self.error("bad_option", str(exc), message_id)
+        except RequestTooLarge as exc:
+            self.error("too_large", str(exc), message_id)
         except (StreamgrokError, ValueError) as exc:
             self.error("bad_request", str(exc), message_id)
         except Exception as exc:  # a bug must not take the connection down
@@ -99,6 +106,7 @@ class ClientConnection:
         if self.runner is None:
             raise ProtocolError("no_session", f"{kind} before session.start", message.get("id"))
         if kind == "input.text":
+            self._check_text_size(message)
             await self.runner.session.append_message(message["text"])
         elif kind == "query":
             await self._query(message)
@@ -117,12 +125,11 @@ class ClientConnection:
             raise ProtocolError("session_exists", "session.start sent twice", message.get("id"))
         if self.server.active_sessions >= self.config.max_sessions:
             raise ProtocolError("busy", "the server has no room for another session")
-        options = {**self.config.pipeline_options, **(message.get("options") or {})}
-        options.setdefault("live", "true")
-        options.setdefault("hidden_size", self.server.loaded.config.hidden_size)
-        pipeline = load_pipeline(self.config.pipeline_path, options)
-        self.runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)])
-        self.runner.start()
+        pipeline = self.server.session_pipeline(message.get("options"))
+        runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)],
+                                resources=self.server.resources)
+        runner.start()  # may refuse (e.g. a system prompt over the KV budget): nothing kept
+        self.runner = runner
         self.server.active_sessions += 1
         self.server.metrics.sessions.set(self.server.active_sessions)
         self.video_in, self.audio_in = self.runner.ingest.open_inputs()
@@ -149,9 +156,16 @@ class ClientConnection:
                                 f"{in_flight} queries in flight (max "
                                 f"{self.config.max_inflight_queries})", message.get("id"))
         query_id = message.get("id") or f"q{len(self.answers) + 1}"
+        self._check_text_size(message)
         answer = self.runner.ask(message["text"])
         self.queries[answer.id] = query_id
         self.answers[query_id] = answer
+
+    def _check_text_size(self, message: dict) -> None:
+        text = message["text"]
+        if len(text) > self.config.max_text_chars:
+            raise ProtocolError("too_large", f"{message['type']}.text of {len(text)} characters "
+                                f"exceeds {self.config.max_text_chars}", message.get("id"))
 
     # -- media -----------------------------------------------------------------------------
 
@@ -162,15 +176,26 @@ class ClientConnection:
         while self.media_times and now - self.media_times[0] > 1.0:
             self.media_times.popleft()
         if len(self.media_times) >= self.config.max_media_per_second:
+            self.rate_limited += 1
             self.server.metrics.frames_dropped.inc()
+            if now - self.rate_limit_reported < 1.0:
+                return  # dropped and counted; one error a second says so
+            self.rate_limit_reported = now
             raise ProtocolError("rate_limited", f"more than {self.config.max_media_per_second} "
-                                "media messages per second; this one was dropped")
+                                "media messages per second: messages are dropped "
+                                f"({self.rate_limited} so far)")
         self.media_times.append(now)
         if media.kind == "video.frame":
+            pool = self.server.resources.media_pool
             try:
-                frame = decode_image(media.payload, media.timestamp, self.frame_index)
+                image = await asyncio.to_thread(pool.decode_image, media.payload)
             except ValueError as exc:
                 raise ProtocolError("bad_image", str(exc)) from exc
+            except MediaWorkerError as exc:
+                raise ProtocolError("bad_media", str(exc)) from exc
+            if self.runner is None:  # the session ended while the frame was decoded
+                return
+            frame = VideoFrame(image, media.timestamp, self.frame_index)
             self.frame_index += 1
             if not await self.video_in.put(frame):
                 self.server.metrics.frames_dropped.inc()
@@ -185,6 +210,10 @@ class ClientConnection:
 
     def _feed_container(self, payload: bytes) -> None:
         if self.feed is None:
+            if container_kind(payload) is None:
+                raise ProtocolError("bad_media", "a video.chunk stream must start with a "
+                                    "fragmented MP4 (ftyp/styp/moof box) or WebM header; "
+                                    "this chunk was dropped")
             self.feed = ByteFeed()
             loop = asyncio.get_running_loop()
             self.decoder = asyncio.ensure_future(asyncio.to_thread(
@@ -217,8 +246,12 @@ class ClientConnection:
             metrics = {k: v for k, v in item.data.items() if k not in ("id", "question")}
             self.server.metrics.observe_answer(metrics)
             self.send("response.done", query_id=query_id, text=item.text, **metrics)
+        elif kind == "error" and answer_id is not None:  # that answer failed, nothing else
+            self.error("answer_failed", item.text, query_id, query_id=query_id)
+            self.send("response.done", query_id=query_id, text="", finish_reason="error")
         elif kind == "error":
-            self.error("pipeline", item.text)
+            code = "bad_media" if item.data.get("stage") in ("decode", "observe") else "pipeline"
+            self.error(code, item.text)
         else:
             self.send("event", kind=kind, text=item.text, t=item.pts, **item.data)
 
@@ -247,9 +280,10 @@ class ClientConnection:
             except ConnectionClosed:
                 return
 
-    def error(self, code: str, message: str, message_id: Any = None) -> None:
+    def error(self, code: str, message: str, message_id: Any = None, **fields: Any) -> None:
         self.server.metrics.errors.labels(code).inc()
-        self._queue("error", event("error", code=code, message=message, message_id=message_id))
+        self._queue("error", event("error", code=code, message=message, message_id=message_id,
+                                   **fields))
 
     async def _stats_loop(self) -> None:
         while True:
@@ -270,6 +304,7 @@ class ClientConnection:
             "retained": cache.retained(seq_id) if seq_id in cache.sequences else [],
             "drops": {
                 "frames": ingest.dropped_frames if ingest else 0,
+                "rate_limited": self.rate_limited,
                 "outbound": self.dropped_outbound,
             },
             "stream_time": self.runner.stats.stream_time if self.runner else 0.0,

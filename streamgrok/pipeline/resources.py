@@ -1,0 +1,50 @@
+"""What one process loads once and lends to every session's pipeline.
+
+The server (or `streamgrok run`) owns one `SharedResources`: CLIP encoders and projectors,
+the speech transcriber and the media worker pool are loaded once, never per session.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+from streamgrok.media.audio import PocketSphinxTranscriber, Transcriber
+from streamgrok.media.native_pool import NativeMediaPool
+
+T = TypeVar("T")
+
+
+class SharedResources:
+    """Loaded-once resources, thread-safe; `close()` stops the media workers."""
+
+    def __init__(self, media_pool: NativeMediaPool | None = None) -> None:
+        self.media_pool = media_pool
+        self._loaded: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, load: Callable[[], T]) -> T:
+        """The resource under `key`, loaded by `load()` the first time it is asked for."""
+        with self._lock:
+            if key not in self._loaded:
+                self._loaded[key] = load()
+            return self._loaded[key]
+
+    def transcriber(self) -> Transcriber:
+        """The shared speech transcriber (pocketsphinx; it serialises utterances itself)."""
+        return self.get(("transcriber", "pocketsphinx"), PocketSphinxTranscriber)
+
+    def close(self) -> None:
+        if self.media_pool is not None:
+            self.media_pool.close()
+
+
+class PipelineOptions(dict):
+    """The options `build_pipeline(options)` receives: a plain dict of option values, plus
+    the `resources` of the process running it (None when built outside a runner)."""
+
+    def __init__(self, values: dict[str, Any] | None = None,
+                 resources: SharedResources | None = None) -> None:
+        super().__init__(values or {})
+        self.resources = resources
