@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--kv-policy", default="redundancy")
     srv.add_argument("--kv-budget", type=int, default=2048)
     srv.add_argument("--kv-memory-gib", type=float, default=2.0)
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight answers may finish after SIGTERM/SIGINT")
+    srv.add_argument("--media-workers", type=int, default=2,
+                     help="processes that decode frames and run OpenCV detectors")
     _add_model_options(srv)
 
     bench = commands.add_parser("bench", help="run a benchmark")
@@ -247,7 +251,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streamgrok.server.app import ServerConfig, serve_forever
 
     config = ServerConfig(args.pipeline, args.host, args.port, args.token, args.allow_origin,
-                          parse_options(args.set or []))
+                          parse_options(args.set or []), media_workers=args.media_workers,
+                          shutdown_timeout_s=args.shutdown_timeout)
     cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
                         memory_gib=args.kv_memory_gib)
     loaded = _load(args)
@@ -259,8 +264,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from streamgrok.media.decode import probe_source
     from streamgrok.run import run_command
 
+    print(f"source {args.source}: {probe_source(args.source)}", flush=True)  # before the model
     return run_command(_load(args), args)
 
 

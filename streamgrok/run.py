@@ -9,9 +9,11 @@ from typing import Any
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine
+from streamgrok.media.native_pool import NativeMediaPool
 from streamgrok.model.loader import LoadedModel
 from streamgrok.pipeline.loader import load_pipeline
-from streamgrok.pipeline.pipeline import PipelineRunner
+from streamgrok.pipeline.pipeline import Pipeline, PipelineRunner
+from streamgrok.pipeline.resources import SharedResources
 from streamgrok.pipeline.sinks import JsonLinesSink, StdoutSink
 from streamgrok.pipeline.triggers import At
 
@@ -60,14 +62,32 @@ async def run_pipeline_file(
     show_notes: bool = True,
 ) -> int:
     options.setdefault("hidden_size", loaded.config.hidden_size)
-    pipeline = load_pipeline(path, options)
+    resources = SharedResources(NativeMediaPool(workers=1))
+    try:
+        return await _run_pipeline(loaded, load_pipeline(path, options, resources), resources,
+                                   source, asks, cache, jsonl, show_notes)
+    finally:
+        resources.close()
+
+
+async def _run_pipeline(
+    loaded: LoadedModel,
+    pipeline: Pipeline,
+    resources: SharedResources,
+    source: str,
+    asks: list[tuple[float | None, str]],
+    cache: CacheConfig,
+    jsonl: str | None,
+    show_notes: bool,
+) -> int:
     sinks: list = [StdoutSink(notes=show_notes)]
     if jsonl:
         sinks.append(JsonLinesSink(jsonl))
     end = float("inf")
     triggers = [At(q, seconds=end if at is None else at) for at, q in asks]
     async with Engine(loaded, cache) as engine:
-        runner = PipelineRunner(pipeline, engine, sinks, progress=print_progress)
+        runner = PipelineRunner(pipeline, engine, sinks, progress=print_progress,
+                                resources=resources)
         print(f"pipeline {pipeline.name} on {source} "
               f"({'live' if pipeline.ingest.live else 'as fast as possible'}, "
               f"{pipeline.ingest.fps:g} fps sampled)")
@@ -85,6 +105,9 @@ async def run_pipeline_file(
           f"{snap['prefill_tokens']} prefill + {snap['decode_tokens']} decode tokens; "
           f"KV peak pages in use now {snap['kv_pages_used']}/{snap['kv_pages_total']}, "
           f"evicted {snap['evicted_tokens']} tokens")
+    if stats.stream_time == 0 and stats.notes == 0 and stats.frame_tokens == 0:
+        print(f"streamgrok: error: nothing could be read from {source}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -219,3 +219,24 @@ def test_interleaver_does_not_wait_forever_for_a_silent_input():
     assert merger.ready() == []
     merger.push("video", 3.0, "later")  # audio never spoke: after 2 s of lateness, go on
     assert merger.ready() == ["note"]
+
+
+def test_probe_source_names_what_is_wrong_before_any_model_loads(tmp_path, clip):
+    from streamgrok.cli import main
+    from streamgrok.media.decode import SourceError, probe_source
+
+    assert "video" in probe_source(str(clip))
+    empty = tmp_path / "empty.mp4"
+    empty.write_bytes(b"")
+    text = tmp_path / "notes.mp4"
+    text.write_text("this is not a video\n" * 50)
+    truncated = tmp_path / "truncated.mp4"
+    truncated.write_bytes(clip.read_bytes()[:200])
+    cases = [(tmp_path / "missing.mp4", "not found"), (empty, "is empty"),
+             (tmp_path, "not a regular file"), (text, "cannot open"),
+             (truncated, "")]
+    for path, fragment in cases:
+        with pytest.raises(SourceError, match=fragment):
+            probe_source(str(path))
+    # the command line fails fast with a clear message and a non-zero exit
+    assert main(["run", "pipelines/live_qa.py", "--source", str(empty), "--ask", "hi"]) == 2

@@ -9,11 +9,13 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 import av
 import numpy as np
 
+from streamgrok.errors import StreamgrokError
 from streamgrok.media.items import AudioChunk, MediaError, VideoFrame
 from streamgrok.media.native_worker import ImageLimits, decode_frame
 
@@ -66,6 +68,43 @@ def decode_container(
         except av.error.FFmpegError as exc:
             yield MediaError(f"media stream ended with an error: {exc}", stage="decode")
         yield from _resample(resampler, None)
+
+
+class SourceError(StreamgrokError):
+    """A media source that cannot be opened or holds nothing to decode."""
+
+
+def probe_source(source: str, timeout_s: float = 15.0) -> str:
+    """Open `source` and decode its first frame or audio chunk; returns a one-line summary,
+    or raises SourceError naming what is wrong (missing, empty, not media, unreachable,
+    truncated). Run it before loading a model for the source."""
+    if "://" not in source:
+        path = Path(source)
+        if not path.exists():
+            raise SourceError(f"source not found: {source}")
+        if not path.is_file():
+            raise SourceError(f"source is not a regular file: {source}")
+        if path.stat().st_size == 0:
+            raise SourceError(f"source is empty: {source}")
+    try:
+        container = av.open(source, timeout=timeout_s)
+    except (av.error.FFmpegError, OSError) as exc:
+        raise SourceError(f"cannot open {source} as media: {exc}") from exc
+    with container:
+        streams = [*container.streams.video[:1], *container.streams.audio[:1]]
+        if not streams:
+            raise SourceError(f"{source} holds no video or audio stream")
+        try:
+            for packet in container.demux(*streams):
+                if packet.decode():
+                    break
+            else:
+                raise SourceError(f"{source} has no decodable frame (truncated?)")
+        except av.error.FFmpegError as exc:
+            raise SourceError(f"{source} cannot be decoded: {exc}") from exc
+        kinds = ", ".join(f"{s.type} {s.codec_context.name}" for s in streams)
+        seconds = container.duration / 1e6 if container.duration else None
+    return f"{kinds}" + (f", {seconds:.1f} s" if seconds else " (live or unknown length)")
 
 
 def _resample(resampler: av.AudioResampler, frame) -> Iterator[AudioChunk]:

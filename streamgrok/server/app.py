@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import http
 import ipaddress
 import logging
 import os
+import signal
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +55,7 @@ class ServerConfig:
     stats_interval_s: float = 2.0
     max_sessions: int = 32
     media_workers: int = 2  # processes for image decoding and OpenCV detectors
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight answers may finish
     static_dir: Path = STATIC_DIR
 
     def __post_init__(self) -> None:
@@ -89,6 +92,7 @@ class StreamgrokServer:
         self.metrics = ServerMetrics()
         self.engine: Engine | None = None
         self.active_sessions = 0
+        self.connections: set[ClientConnection] = set()
         self.server: Server | None = None
 
     def session_pipeline(self, client_options: dict | None) -> Pipeline:
@@ -120,6 +124,7 @@ class StreamgrokServer:
         return self.server
 
     async def stop(self) -> None:
+        """Close every connection and stop the engine and media workers (idempotent)."""
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
@@ -132,7 +137,28 @@ class StreamgrokServer:
         return self.server.sockets[0].getsockname()[1] if self.server else self.config.port
 
     async def _handle(self, ws: ServerConnection) -> None:
-        await ClientConnection(self, ws).serve()
+        connection = ClientConnection(self, ws)
+        self.connections.add(connection)
+        try:
+            await connection.serve()
+        finally:
+            self.connections.discard(connection)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Graceful stop: accept no one new, let in-flight answers finish for up to
+        `timeout_s`, then end every session (`session.ended`, close 1001) and stop."""
+        if self.server is not None:
+            self.server.close(close_connections=False)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while any(c.answers_in_flight() for c in self.connections):
+            if asyncio.get_running_loop().time() >= deadline:
+                log.warning("shutdown timeout: cancelling %d answers",
+                            sum(c.answers_in_flight() for c in self.connections))
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*(c.shutdown("server shutting down") for c in list(self.connections)),
+                             return_exceptions=True)
+        await self.stop()
 
     def _authorized(self, request: Request) -> bool:
         if not self.config.token:
@@ -175,12 +201,21 @@ def _response(status: int, reason: str, body: bytes, content_type: str) -> Respo
 
 async def serve_forever(loaded: LoadedModel, config: ServerConfig,
                         cache: CacheConfig | None = None) -> None:
-    """Run until cancelled (Ctrl-C)."""
+    """Run until SIGTERM or SIGINT, then drain (see `StreamgrokServer.drain`)."""
     server = StreamgrokServer(loaded, config, cache)
     await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     print(f"streamgrok serving {config.pipeline_path} on http://{config.host}:{server.port}/ "
           f"(websocket /ws, metrics /metrics)", flush=True)
     try:
-        await server.server.serve_forever()
+        await stop.wait()
+        print(f"streamgrok: draining (up to {config.shutdown_timeout_s:g} s for answers in "
+              "flight)", flush=True)
+        await server.drain(config.shutdown_timeout_s)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         await server.stop()

@@ -71,6 +71,18 @@ class ClientConnection:
             await self._end_session()
             writer.cancel()
 
+    def answers_in_flight(self) -> int:
+        return sum(1 for answer in self.answers.values() if not answer.finished)
+
+    async def shutdown(self, reason: str, flush_s: float = 2.0) -> None:
+        """End the session for a server shutdown: `session.ended`, then close 1001."""
+        await self._end_session()
+        self.send("session.ended", reason=reason)
+        deadline = time.monotonic() + flush_s
+        while self.outbox and time.monotonic() < deadline and not self.closed:
+            await asyncio.sleep(0.01)
+        await self.ws.close(1001, reason)
+
     async def _handle_safely(self, raw: str | bytes) -> None:
         message_id = None
         try:

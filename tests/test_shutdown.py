@@ -1,0 +1,65 @@
+"""`streamgrok serve` as a real process: SIGTERM and SIGINT drain and exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+
+import pytest
+from helpers import random_model, tiny_config, write_gguf
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    return write_gguf(path, random_model(tiny_config(max_positions=4096)))
+
+
+async def start_server(model) -> tuple[asyncio.subprocess.Process, int]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "streamgrok", "serve", "pipelines/live_qa.py", "--port", "0",
+        "--model", str(model), "--kv-budget", "512", "--kv-memory-gib", "0.05",
+        "--set", "transcribe=false", "--shutdown-timeout", "60",
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    while True:
+        line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode()
+        assert line, "the server exited before serving"
+        if match := re.search(r"on http://127\.0\.0\.1:(\d+)/", line):
+            return process, int(match.group(1))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_signal_drains_answers_then_ends_sessions_and_exits_zero(tiny_gguf, sig):
+    process, port = await start_server(tiny_gguf)
+    try:
+        async with connect(f"ws://127.0.0.1:{port}/ws") as ws:
+            await ws.send(json.dumps({"type": "session.start", "id": "s"}))
+            while json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] != "session.started":
+                pass
+            await ws.send(json.dumps({"type": "query", "id": "q", "text": "Tell me a story."}))
+            while json.loads(await asyncio.wait_for(ws.recv(), 30))["type"] != "response.delta":
+                pass
+            process.send_signal(sig)  # an answer is in flight
+            kinds = []
+            with pytest.raises(ConnectionClosed) as closed:
+                while True:
+                    message = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                    kinds.append((message["type"], message.get("finish_reason")))
+        assert closed.value.rcvd.code == 1001
+        done = kinds.index(("response.done", "stop")) if ("response.done", "stop") in kinds \
+            else kinds.index(("response.done", "length"))
+        assert kinds.index(("session.ended", None)) > done  # the answer finished first
+        assert await asyncio.wait_for(process.wait(), 60) == 0
+        with pytest.raises(OSError):  # no longer accepting
+            await asyncio.open_connection("127.0.0.1", port)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
