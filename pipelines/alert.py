@@ -9,7 +9,7 @@ A custom stage shows how to add your own logic between ingest and the session.
 
 from streamgrok.media.items import Note
 from streamgrok.model.sampling import SamplingParams
-from streamgrok.pipeline import Edge, IngestConfig, OnNote, Pipeline, Stage, option
+from streamgrok.pipeline import ClientOption, Edge, IngestConfig, OnNote, Pipeline, Stage, option
 
 
 class LoudCuts(Stage):
@@ -37,4 +37,9 @@ def build_pipeline(options: dict) -> Pipeline:
         )],
         sampling=SamplingParams(max_tokens=option(options, "max_tokens", 32),
                                 repetition_penalty=1.3),
+        client_options={  # what a websocket client may set in session.start
+            "fps": ClientOption(float, 0, 30, exclusive_minimum=True),
+            "watch": ClientOption(str, max_length=64),
+            "cooldown": ClientOption(float, 0, 3600),
+        },
     )

@@ -106,6 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels", help="Triton kernels vs references, decode attention vs SDPA (GPU check)")
     kernels.add_argument("--small", action="store_true", help="small shapes")
     kernels.add_argument("--no-timing", action="store_true", help="correctness only")
+    soak = benches.add_parser("soak", help="a real server under many live clients: answers, "
+                              "TTFT, RSS, KV pages, drops")
+    soak.add_argument("--clients", type=int, default=16)
+    soak.add_argument("--seconds", type=float, default=300.0)
+    soak.add_argument("--ask-every", type=float, default=15.0, help="seconds between questions")
+    soak.add_argument("--storm", type=int, default=0,
+                      help="then this many clients connect, ask and drop mid-answer")
+    soak.add_argument("--pipeline", default="pipelines/live_qa.py")
+    soak.add_argument("--model", default=None)
+    soak.add_argument("--kv-budget", type=int, default=2048)
+    soak.add_argument("--kv-memory-gib", type=float, default=2.0)
+    soak.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
+    soak.add_argument("--out", default="bench-results", help="folder for the plot")
     media = benches.add_parser("media", help="decode, CLIP, dedup and ingest rates")
     media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
     media.add_argument("--fps", type=float, default=2.0)
@@ -233,6 +246,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         configure_threads(args.threads)
         run_media_bench(args.clip_weights, args.fps)
+        return 0
+    if args.bench == "soak":
+        from streamgrok.bench.soak import run_soak_bench
+
+        run_soak_bench(args)
         return 0
     if args.bench == "serve":
         from streamgrok.bench.serve import run_serve_bench

@@ -136,3 +136,10 @@ async def test_a_live_connection_stays_usable_under_fuzzed_messages(fuzz_loaded)
                     break
     finally:
         await server.stop()
+
+
+def test_every_error_code_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "PROTOCOL.md").read_text()
+    assert [code for code in ERROR_CODES if f"| `{code}` |" not in doc] == []

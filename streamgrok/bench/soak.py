@@ -1,0 +1,307 @@
+"""`streamgrok bench soak`: a real `streamgrok serve` process under many live clients.
+
+The server runs as its own process on loopback. First one client alone measures the idle
+time to first token (the baseline, in the same run) and warms the server up; the server's
+RSS then is the baseline memory. Then N clients each stream a 320x240 JPEG a second and a
+second of PCM audio a second and ask a question every `--ask-every` seconds, for `--seconds`.
+Optionally a storm of K clients connects, asks and drops mid-answer. At the end: per-client
+answers, errors, TTFT p50/p95 against the idle baseline, server RSS start/peak/end, KV pages
+before/after, frames dropped by reason, and a PNG plot of RSS and TTFT over time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import cv2
+import numpy as np
+import psutil
+from websockets.asyncio.client import connect
+
+from streamgrok.bench.timing import percentile
+from streamgrok.media.samples import photo
+from streamgrok.server.protocol import pack_media
+
+QUESTIONS = ["What is on screen right now?", "What has changed in the last seconds?",
+             "Describe the scene briefly.", "Is anybody there?"]
+PHOTOS = ["astronaut", "coffee", "cat", "chelsea", "rocket"]
+
+
+@dataclass
+class ClientResult:
+    """What one client saw."""
+
+    name: str
+    asked: int = 0
+    answered: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+    drops: dict = field(default_factory=dict)
+    handshake_failed: bool = False
+
+
+class ServerProcess:
+    """`streamgrok serve` started as a child process on a free loopback port."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = args
+        self.process: asyncio.subprocess.Process | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "streamgrok", "serve", *self.args, "--port", "0",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        while True:
+            line = (await asyncio.wait_for(self.process.stdout.readline(), 600)).decode()
+            if not line:
+                raise RuntimeError("the server exited before it served")
+            if match := re.search(r"on http://127\.0\.0\.1:(\d+)/", line):
+                self.port = int(match.group(1))
+                asyncio.get_running_loop().create_task(self._drain_stdout())
+                return
+
+    async def _drain_stdout(self) -> None:
+        while await self.process.stdout.readline():
+            pass
+
+    def rss_mb(self) -> tuple[float, float]:
+        """(server process RSS, its media workers' RSS) in MB."""
+        proc = psutil.Process(self.process.pid)
+        workers = sum(c.memory_info().rss for c in proc.children(recursive=True))
+        return proc.memory_info().rss / 2**20, workers / 2**20
+
+    def metric(self, name: str) -> float:
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        return float(match.group(1)) if match else float("nan")
+
+    async def stop(self) -> int:
+        self.process.terminate()
+        return await asyncio.wait_for(self.process.wait(), 120)
+
+
+def frame_bytes(index: int, size=(320, 240)) -> bytes:
+    image = photo(PHOTOS[(index // 10) % len(PHOTOS)], *size).copy()
+    x = (index * 17) % (size[0] - 40)
+    image[100:140, x : x + 40] = (220, 40, 40)  # something moves, so frames are not deduped
+    return cv2.imencode(".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR))[1].tobytes()
+
+
+def audio_bytes(seconds: float, seed: int) -> bytes:
+    noise = np.random.default_rng(seed).normal(0, 300, int(16000 * seconds))
+    return noise.astype("<i2").tobytes()
+
+
+async def live_client(port: int, name: str, frames: list[bytes], seconds: float,
+                      ask_every: float, offset: float, answer_timeout: float) -> ClientResult:
+    """Stream frames and audio at 1 Hz and ask every `ask_every` s; TTFT per question."""
+    result = ClientResult(name)
+    asked_at: dict[str, float] = {}
+    try:
+        ws = await asyncio.wait_for(connect(f"ws://127.0.0.1:{port}/ws", max_size=None), 30)
+    except (OSError, TimeoutError):
+        result.handshake_failed = True
+        return result
+    async with ws:
+        await ws.send(json.dumps({"type": "session.start", "id": name}))
+
+        async def reader() -> None:
+            async for raw in ws:
+                message = json.loads(raw)
+                kind = message["type"]
+                query = message.get("query_id")
+                if kind == "response.delta" and query in asked_at:
+                    result.ttfts.append(time.monotonic() - asked_at.pop(query))
+                elif kind == "response.done" and message.get("finish_reason") != "error":
+                    result.answered += 1
+                elif kind == "error":
+                    result.errors[message["code"]] += 1
+                elif kind == "stats":
+                    result.drops = message["drops"]
+
+        reading = asyncio.create_task(reader())
+        start = time.monotonic()
+        next_ask = start + offset
+        tick = 0
+        while (now := time.monotonic()) - start < seconds:
+            t = now - start
+            await ws.send(pack_media("video.frame", 0, t, frames[tick % len(frames)]))
+            await ws.send(pack_media("audio.pcm16", 0, t, audio_bytes(1.0, tick)))
+            if now >= next_ask:
+                query = f"{name}-{result.asked}"
+                asked_at[query] = time.monotonic()
+                await ws.send(json.dumps({"type": "query", "id": query,
+                                          "text": QUESTIONS[result.asked % len(QUESTIONS)]}))
+                result.asked += 1
+                next_ask += ask_every
+            tick += 1
+            await asyncio.sleep(max(0.0, start + tick - time.monotonic()))
+        deadline = time.monotonic() + answer_timeout
+        while result.answered + sum(result.errors.values()) < result.asked \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        reading.cancel()
+    return result
+
+
+async def storm_client(port: int, name: str, frame: bytes) -> ClientResult:
+    """Connect, start, ask, and drop the connection as soon as the answer starts."""
+    result = ClientResult(name)
+    try:
+        async with await asyncio.wait_for(connect(f"ws://127.0.0.1:{port}/ws"), 30) as ws:
+            await ws.send(json.dumps({"type": "session.start", "id": name}))
+            await ws.send(pack_media("video.frame", 0, 0.0, frame))
+            await ws.send(json.dumps({"type": "query", "id": "q", "text": QUESTIONS[0]}))
+            result.asked = 1
+            asked = time.monotonic()
+            async for raw in ws:
+                message = json.loads(raw)
+                if message["type"] == "response.delta":
+                    result.ttfts.append(time.monotonic() - asked)
+                    return result  # drop mid-answer
+                if message["type"] == "error":
+                    result.errors[message["code"]] += 1
+    except (OSError, TimeoutError):
+        result.handshake_failed = True
+    return result
+
+
+async def settle(server: ServerProcess, seconds: float = 30.0) -> None:
+    """Wait until the server holds no KV pages and no sessions (or time runs out)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pages = await asyncio.to_thread(server.metric, "streamgrok_kv_pages_in_use")
+        sessions = await asyncio.to_thread(server.metric, "streamgrok_active_sessions")
+        if pages == 0 and sessions == 0:
+            return
+        await asyncio.sleep(0.5)
+
+
+async def run_soak(server_args: list[str], clients: int, seconds: float, ask_every: float,
+                   storm: int, out: Path) -> None:
+    frames = [frame_bytes(i) for i in range(10 * len(PHOTOS))]
+    server = ServerProcess(server_args)
+    await server.start()
+    samples: list[tuple[float, float]] = []
+    started = time.monotonic()
+
+    async def sample_rss() -> None:
+        while True:
+            samples.append((time.monotonic() - started, sum(server.rss_mb())))
+            await asyncio.sleep(0.5)
+
+    sampler = asyncio.create_task(sample_rss())
+    try:
+        print(f"server pid {server.process.pid} on port {server.port}; warm-up client alone")
+        idle = await live_client(server.port, "idle", frames, 16.0, 5.0, 2.0, 120.0)
+        await settle(server)
+        baseline_mb = sum(server.rss_mb())
+        pages_before = server.metric("streamgrok_kv_pages_in_use")
+        print(f"baseline: idle TTFT p50 {_ms(percentile(idle.ttfts, 50))} ms; server RSS "
+              f"{baseline_mb:.0f} MB (media workers included); KV pages {pages_before:.0f}")
+        live_started = time.monotonic() - started
+        results = await asyncio.gather(*(
+            live_client(server.port, f"c{i:02d}", frames, seconds, ask_every,
+                        offset=2.0 + ask_every * i / max(1, clients), answer_timeout=90.0)
+            for i in range(clients)))
+        live_ended = time.monotonic() - started
+        storm_results = []
+        if storm:
+            storm_results = await asyncio.gather(*(
+                storm_client(server.port, f"s{i:02d}", frames[i % len(frames)])
+                for i in range(storm)))
+        await settle(server)
+        await asyncio.sleep(2.0)
+        end_mb = sum(server.rss_mb())
+        pages_after = server.metric("streamgrok_kv_pages_in_use")
+        peak_mb = max(mb for _, mb in samples)
+    finally:
+        sampler.cancel()
+        code = await server.stop()
+    idle_ttft = percentile(idle.ttfts, 50)
+    _print_report(results, storm_results, idle_ttft, baseline_mb, peak_mb, end_mb,
+                  pages_before, pages_after, code)
+    _plot(out, samples, results, live_started, live_ended, baseline_mb)
+
+
+def _ms(seconds: float) -> str:
+    return "n/a" if seconds != seconds else f"{seconds * 1e3:.0f}"
+
+
+def _print_report(results, storm_results, idle_ttft, baseline_mb, peak_mb, end_mb,
+                  pages_before, pages_after, exit_code) -> None:
+    print(f"\n{'client':8} {'asked':>5} {'answered':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
+          f"{'frames dropped':>14} {'rate-limited':>12}  errors")
+    for r in results:
+        print(f"{r.name:8} {r.asked:5d} {r.answered:8d} {_ms(percentile(r.ttfts, 50)):>9} "
+              f"{_ms(percentile(r.ttfts, 95)):>9} {r.drops.get('frames', 0):14d} "
+              f"{r.drops.get('rate_limited', 0):12d}  {dict(r.errors) or '-'}")
+    ttfts = [t for r in results for t in r.ttfts]
+    asked = sum(r.asked for r in results)
+    answered = sum(r.answered for r in results)
+    p95 = percentile(ttfts, 95)
+    print(f"\nlive: {len(results)} clients, {answered}/{asked} questions answered; TTFT p50 "
+          f"{_ms(percentile(ttfts, 50))} ms, p95 {_ms(p95)} ms (idle baseline "
+          f"{_ms(idle_ttft)} ms: p95 x{p95 / idle_ttft:.1f})")
+    print("frames dropped by reason: " + ", ".join(
+        f"{reason} {sum(r.drops.get(reason, 0) for r in results)}"
+        for reason in ("frames", "rate_limited", "outbound")))
+    if storm_results:
+        failed = sum(r.handshake_failed for r in storm_results)
+        print(f"storm: {len(storm_results)} clients connected, asked and dropped mid-answer; "
+              f"{failed} handshakes failed; first-token p95 "
+              f"{_ms(percentile([t for r in storm_results for t in r.ttfts], 95))} ms")
+    print(f"server RSS: baseline {baseline_mb:.0f} MB, peak {peak_mb:.0f} MB, end "
+          f"{end_mb:.0f} MB (end/baseline x{end_mb / baseline_mb:.3f})")
+    print(f"KV pages: before {pages_before:.0f}, after {pages_after:.0f}; server exit code "
+          f"{exit_code} after SIGTERM")
+
+
+def _plot(out: Path, samples, results, live_started, live_ended, baseline_mb) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=False)
+    top.plot([t for t, _ in samples], [mb for _, mb in samples], label="server + workers RSS")
+    top.axhline(baseline_mb, color="grey", linestyle="--", label="warmed-up baseline")
+    top.axvspan(live_started, live_ended, alpha=0.1, label="live clients")
+    top.set_xlabel("seconds")
+    top.set_ylabel("MB")
+    top.legend()
+    ttfts = sorted(t for r in results for t in r.ttfts)
+    bottom.plot(ttfts, [i / max(1, len(ttfts)) for i in range(1, len(ttfts) + 1)])
+    bottom.set_xlabel("time to first token (s)")
+    bottom.set_ylabel("fraction of answers")
+    fig.tight_layout()
+    path = out / "soak.png"
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+def run_soak_bench(args) -> None:
+    """Entry point of `streamgrok bench soak`."""
+    server_args = [args.pipeline, "--kv-budget", str(args.kv_budget),
+                   "--kv-memory-gib", str(args.kv_memory_gib)]
+    if args.model:
+        server_args += ["--model", args.model]
+    for pair in args.set or []:
+        server_args += ["--set", pair]
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    asyncio.run(run_soak(server_args, args.clients, args.seconds, args.ask_every, args.storm,
+                         Path(args.out)))
