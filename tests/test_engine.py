@@ -216,3 +216,30 @@ async def test_an_eviction_failure_fails_only_its_own_session(tiny_loaded):
             await victim.append_message("more")
         assert await bystander.ask("fine?", GREEDY).text() is not None
         assert victim._state.seq_id not in engine.cache.sequences
+
+
+async def test_sessions_created_and_closed_while_the_engine_steps(tiny_loaded):
+    """Sessions come and go from the event loop while the engine thread steps: every answer
+    ends exactly once (answered or cancelled), nothing fails, and every page comes back."""
+    async with Engine(tiny_loaded, CACHE, EngineConfig(merge_window_s=0)) as engine:
+        ended = []
+
+        async def one(i: int) -> None:
+            session = engine.new_session("sys")
+            await session.append_message(f"note {i}")
+            answer = session.ask(f"q{i}?", SamplingParams(max_tokens=4))
+            if i % 3 == 0:
+                await asyncio.sleep(0)
+                await session.close()  # mid-flight: its answer ends as cancelled
+            text = await answer.text()
+            ended.append((i, answer.metrics.finish_reason, text))
+            await session.close()
+
+        for wave in range(4):
+            await asyncio.gather(*(one(wave * 10 + i) for i in range(10)))
+        assert sorted(i for i, _, _ in ended) == list(range(40))
+        assert {reason for _, reason, _ in ended} <= {"stop", "length", "cancelled"}
+        assert engine.stats.errors == 0 and engine.stats.answers_failed == 0
+        await asyncio.sleep(0.1)
+        assert engine.snapshot()["sessions"] == 0
+        assert engine.cache.pool.used_pages == 0

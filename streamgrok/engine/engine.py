@@ -54,7 +54,8 @@ class Engine:
         self.runner = ModelRunner(loaded.model, self.cache, self.config.nano_batches,
                                   self.config.length_ratio)
         self.stats = EngineStats(recent=deque(maxlen=self.config.recent_steps))
-        self._sessions: dict[int, SessionState] = {}
+        self._sessions: dict[int, SessionState] = {}  # engine thread only (see _register)
+        self._session_slots = threading.BoundedSemaphore(self.config.max_sessions)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
@@ -108,8 +109,6 @@ class Engine:
 
     def new_session(self, system_prompt: str | None = None) -> Session:
         """A new streaming context, starting with the system prompt (protected, shared)."""
-        if len(self._sessions) >= self.config.max_sessions:
-            raise StreamgrokError(f"too many sessions (max {self.config.max_sessions})")
         session_id = next(self._ids)
         system_tokens = []
         if system_prompt is not None:
@@ -117,6 +116,8 @@ class Engine:
                 self.tokenizer.render_chat([{"role": "system", "content": system_prompt}],
                                            add_generation_prompt=False))
         self._check_protected_fits("the system prompt", len(system_tokens))
+        if not self._session_slots.acquire(blocking=False):
+            raise StreamgrokError(f"too many sessions (max {self.config.max_sessions})")
         space = asyncio.Event()
         loop = self._require_loop()
         state = SessionState(
@@ -127,7 +128,6 @@ class Engine:
         if system_tokens:
             state.pending.put(AppendItem(TokenInfo.text(len(system_tokens), protected=True),
                                          torch.tensor(system_tokens, dtype=torch.long)))
-        self._sessions[session_id] = state
         self._commands.put(("register", state))
         self.wake()
         return Session(self, state, space)
@@ -299,6 +299,7 @@ class Engine:
             self._wakeup.clear()
             return True
         if idle and self.config.merge_window_s > 0:
+            plan.release()
             time.sleep(self.config.merge_window_s)  # let concurrent arrivals join this step
             return False
         self._step(plan)
@@ -335,6 +336,7 @@ class Engine:
                 self._require_loop().call_soon_threadsafe(_resolve, done)
 
     def _register(self, state: SessionState) -> None:
+        self._sessions[state.session_id] = state
         try:
             reused = self.cache.add_sequence(
                 state.seq_id, prefix_tokens=state.system_tokens or None,
@@ -354,6 +356,8 @@ class Engine:
 
     def _close(self, state: SessionState, error: str | None = None) -> None:
         """Free a session; its answers end as cancelled, or with `error` when it failed."""
+        if state.closing:
+            return
         state.error = error
         state.closing = True
         for answer in list(state.answers.values()):
@@ -371,6 +375,7 @@ class Engine:
         if state.seq_id in self.cache.sequences:
             self.cache.remove_sequence(state.seq_id)
         self._sessions.pop(state.session_id, None)
+        self._session_slots.release()
 
     def _reap_cancelled(self) -> None:
         for session in self._active_sessions():
@@ -449,6 +454,7 @@ class Engine:
         session = span.session
         for item, n in span.items:
             item.done += n
+            item.in_flight = False
         while isinstance(head := session.pending.head(), AppendItem) and head.remaining == 0:
             session.pending.pop_head()
         session.notify_space()

@@ -25,6 +25,7 @@ class AppendItem:
     embeddings: torch.Tensor | None = None  # [n, hidden] for frame tokens
     droppable: bool = False
     done: int = 0  # tokens of this item already prefilled
+    in_flight: bool = False  # part of the step being run (never dropped then)
     queued_at: float = field(default_factory=time.monotonic)
 
     def __len__(self) -> int:
@@ -71,7 +72,7 @@ class PendingQueue:
             for victim in frames:
                 if excess <= 0:
                     break
-                if victim.done:  # partly prefilled already: finish it rather than cut it
+                if victim.done or victim.in_flight:  # being prefilled: finish, never cut it
                     continue
                 self.items.remove(victim)
                 dropped.append(victim)
@@ -84,6 +85,20 @@ class PendingQueue:
         """The queued items, in order, as of now."""
         with self._lock:
             return list(self.items)
+
+    def claim(self, share: int) -> list[tuple[AppendItem, int, int]]:
+        """Up to `share` tokens from the head appends, as (item, start, count), marked in
+        flight under the lock so a concurrent `put` can never drop them."""
+        claimed, taken = [], 0
+        with self._lock:
+            for item in self.items:
+                if not isinstance(item, AppendItem) or taken >= share:
+                    break
+                n = min(item.remaining, share - taken)
+                item.in_flight = True
+                claimed.append((item, item.done, n))
+                taken += n
+        return claimed
 
     def head(self) -> AppendItem | QuestionMarker | None:
         with self._lock:

@@ -41,6 +41,11 @@ class Span:
     def is_decode(self) -> bool:
         return self.kind == "decode"
 
+    def release(self) -> None:
+        """Give the claimed media back to its queue (the span will not run)."""
+        for item, _ in self.items:
+            item.in_flight = False
+
 
 @dataclass
 class StepPlan:
@@ -49,6 +54,11 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.spans
+
+    def release(self) -> None:
+        """Give every claimed media item back (the plan will not run)."""
+        for span in self.spans:
+            span.release()
 
     @property
     def decode_tokens(self) -> int:
@@ -115,9 +125,13 @@ class Scheduler:
                 break
             share = max(self.config.min_prefill_share, budget // (len(feeding) - i))
             span = _media_span(session, min(share, budget))
-            if span is not None and free.take(session.seq_id, len(span)):
+            if span is None:
+                continue
+            if free.take(session.seq_id, len(span)):
                 plan.spans.append(span)
                 budget -= len(span)
+            else:
+                span.release()
         return plan
 
 
@@ -147,11 +161,7 @@ def _media_span(session: SessionState, share: int) -> Span | None:
     """Take up to `share` tokens from the head items of a session's pending queue."""
     ids, infos, embeddings, consumed = [], [], [], []
     taken = 0
-    for item in session.pending.snapshot():
-        if not isinstance(item, AppendItem) or taken >= share:
-            break
-        n = min(item.remaining, share - taken)
-        start = item.done
+    for item, start, n in session.pending.claim(share):
         ids.append(item.token_ids[start : start + n])
         infos.append(item.info.slice(start, start + n))
         if item.embeddings is not None:
