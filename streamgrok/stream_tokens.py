@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 
+from streamgrok.modality import Modality
 
-class Modality(IntEnum):
-    """What a cached token came from."""
-
-    TEXT = 0
-    FRAME = 1
-    AUDIO = 2
-    NOTE = 3
+__all__ = ["Modality", "TokenInfo"]
 
 
 @dataclass(eq=False)

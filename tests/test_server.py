@@ -339,3 +339,29 @@ async def test_http_path_with_a_nul_byte_is_a_bad_request(server):
     status = await asyncio.wait_for(reader.readline(), 10)
     writer.close()
     assert status.split()[1] == b"400"
+
+
+@pytest.fixture(scope="module")
+def webm_clip(tmp_path_factory):
+    from streamgrok.media.samples import Scene, write_clip
+
+    return write_clip(tmp_path_factory.mktemp("clip") / "pushed.webm",
+                      [Scene("astronaut", 1.5), Scene("coffee", 1.5)]).read_bytes()
+
+
+async def test_pushed_container_stream_is_decoded_in_its_own_process(server, webm_clip):
+    async with connect(url(server)) as ws:
+        await start(ws)
+        for i in range(0, len(webm_clip), 16_384):
+            await ws.send(pack_media("video.chunk", 0, 0.0, webm_clip[i : i + 16_384]))
+        note, seen = await recv_until(ws, "event")
+        assert note["kind"] == "note" and not [m for m in seen if m["type"] == "error"]
+        (connection,) = [c for c in server.connections if c.container is not None]
+        worker = connection.container.process
+        assert worker.pid != __import__("os").getpid() and worker.returncode is None
+        worker.kill()  # as a crash inside FFmpeg would end it
+        error, _ = await recv_until(ws, "error")
+        assert error["code"] == "bad_media" and "container decoder stopped" in error["message"]
+        await ws.send(json.dumps({"type": "query", "id": "after", "text": "still there?"}))
+        done, _ = await recv_until(ws, "response.done")
+        assert done["query_id"] == "after"

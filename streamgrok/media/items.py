@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from streamgrok.stream_tokens import Modality
+from streamgrok.modality import Modality
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(eq=False)

@@ -41,3 +41,24 @@ def _read_exact(inp: BinaryIO, n: int, start: bytes = b"") -> bytes:
             raise EOFError(f"stream ended {n - len(data)} bytes short of a message")
         data.extend(chunk)
     return bytes(data)
+
+
+async def read_message_async(reader) -> tuple[dict, bytes] | None:
+    """`read_message` for an asyncio StreamReader; None at a clean end of stream."""
+    import asyncio
+
+    try:
+        first = await reader.readexactly(_LENGTH.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise EOFError("stream ended inside a message header") from exc
+    length = _LENGTH.unpack(first)[0]
+    if length > MAX_HEADER:
+        raise ValueError(f"message header of {length} bytes is over {MAX_HEADER}")
+    try:
+        header = json.loads(await reader.readexactly(length))
+        payload = await reader.readexactly(int(header.get("size", 0)))
+    except asyncio.IncompleteReadError as exc:
+        raise EOFError("stream ended inside a message") from exc
+    return header, payload

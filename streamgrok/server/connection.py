@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -13,7 +12,8 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from streamgrok.errors import RequestTooLarge, StreamgrokError
-from streamgrok.media.decode import ByteFeed, container_kind, pcm16_chunk
+from streamgrok.media.container_process import ContainerProcess
+from streamgrok.media.decode import container_kind, pcm16_chunk
 from streamgrok.media.items import AudioChunk, VideoFrame
 from streamgrok.media.native_pool import MediaWorkerError
 from streamgrok.pipeline.events import Event
@@ -37,9 +37,7 @@ class ClientConnection:
         self.config = server.config
         self.runner: PipelineRunner | None = None
         self.video_in = self.audio_in = None
-        self.feed: ByteFeed | None = None
-        self.decoder: asyncio.Future | None = None
-        self.decoder_stop = threading.Event()
+        self.container: ContainerProcess | None = None  # a pushed video.chunk stream
         self.tasks: list[asyncio.Task] = []
         self.queries: dict[int, Any] = {}  # answer id -> client query id
         self.answers: dict[Any, Any] = {}  # client query id -> Answer
@@ -218,24 +216,31 @@ class ClientConnection:
                 raise ProtocolError("bad_audio", str(exc)) from exc
             await self.audio_in.put(chunk)
         else:
-            self._feed_container(media.payload)
+            await self._feed_container(media.payload)
 
-    def _feed_container(self, payload: bytes) -> None:
-        if self.feed is None:
+    async def _feed_container(self, payload: bytes) -> None:
+        """Pushed container bytes go to this session's decoder process (started by the
+        stream's first chunk, which must carry an MP4 or WebM header)."""
+        if self.container is None:
             if container_kind(payload) is None:
                 raise ProtocolError("bad_media", "a video.chunk stream must start with a "
                                     "fragmented MP4 (ftyp/styp/moof box) or WebM header; "
                                     "this chunk was dropped")
-            self.feed = ByteFeed()
-            loop = asyncio.get_running_loop()
-            self.decoder = asyncio.ensure_future(asyncio.to_thread(
-                self.runner.ingest.decode_into, self.feed, self.video_in, self.audio_in, loop,
-                self.decoder_stop, None, False,
-            ))
+            container = self.container = ContainerProcess(live=self.runner.pipeline.ingest.live)
+            await container.start()
+            decoding = asyncio.create_task(container.run_into(self.video_in, self.audio_in))
+            decoding.add_done_callback(lambda _: self._container_ended(container))
+            self.tasks.append(decoding)
         try:
-            self.feed.feed(payload)
+            await self.container.feed(payload)
         except ValueError as exc:
             raise ProtocolError("bad_media", str(exc)) from exc
+
+    def _container_ended(self, container: ContainerProcess) -> None:
+        """A pushed stream ended (or its decoder died): the next chunk starts a new one."""
+        if self.container is container:
+            self.container = None
+            asyncio.ensure_future(container.stop())
 
     # -- events out ------------------------------------------------------------------------
 
@@ -327,9 +332,8 @@ class ClientConnection:
         if self.runner is None:
             return
         runner, self.runner = self.runner, None
-        self.decoder_stop.set()
-        if self.feed is not None:
-            self.feed.close_feed()
+        if self.container is not None:
+            await self.container.stop()
         self.video_in.close()
         self.audio_in.close()
         for task in self.tasks:
