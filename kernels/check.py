@@ -138,10 +138,8 @@ class Checker:
         return order.view(len(totals), pages).int().to(self.device), len(totals) * pages * 16
 
     def trig(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from streamgrok.model.config import RopeScaling
-        from streamgrok.model.rotary import inverse_frequencies
-
-        inv = inverse_frequencies(self.shapes.head_dim, 500000.0, RopeScaling())
+        dim = self.shapes.head_dim  # plain rotary frequencies at Llama 3's theta
+        inv = (500000.0 ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
         angles = torch.outer(torch.arange(positions).float(), inv)
         return angles.cos().to(self.device), angles.sin().to(self.device)
 

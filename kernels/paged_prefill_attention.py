@@ -20,7 +20,7 @@ import torch
 
 from kernels.common import dot_flags, kernel_flags, triton
 from kernels.paged_kv import PagedKV, table_slots
-from streamgrok.model.rotary import apply_rotary
+from kernels.rotary import apply_rotary
 
 if triton is not None:
     import triton.language as tl

@@ -5,10 +5,18 @@ from __future__ import annotations
 import torch
 
 from kernels.common import triton
-from streamgrok.model.rotary import apply_rotary
 
 if triton is not None:
     import triton.language as tl
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotation of x [tokens, heads, head_dim] with cos/sin [tokens, head_dim/2]."""
+    half = x.shape[-1] // 2
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def reference(

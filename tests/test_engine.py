@@ -243,3 +243,45 @@ async def test_sessions_created_and_closed_while_the_engine_steps(tiny_loaded):
         await asyncio.sleep(0.1)
         assert engine.snapshot()["sessions"] == 0
         assert engine.cache.pool.used_pages == 0
+
+
+async def test_a_failing_forward_fails_only_the_answer_that_caused_it(tiny_loaded):
+    """A layer raises mid-forward whenever the victim's question is in the batch: that
+    answer fails with the error, the bystander's answer batched with it is unaffected, the
+    engine goes on, and every page comes back."""
+    model = tiny_loaded.model
+    marker = torch.tensor(tiny_loaded.tokenizer.encode("xyzzy"))
+    layer = model.layers[1]
+    original_forward, original_layer = model.forward, layer.forward
+    poisoned = []
+
+    def watching(ids, batch, backend):
+        found = ids.numel() >= len(marker) and bool(
+            (ids.cpu().unfold(0, len(marker), 1) == marker).all(dim=1).any())
+        poisoned.append(found)
+        return original_forward(ids, batch, backend)
+
+    def sometimes_broken(*args, **kwargs):
+        if poisoned[-1]:
+            raise RuntimeError("injected failure")
+        return original_layer(*args, **kwargs)
+
+    async with Engine(tiny_loaded, CACHE, EngineConfig(merge_window_s=0)) as engine:
+        victim, bystander = engine.new_session("sys"), engine.new_session("sys")
+        model.forward, layer.forward = watching, sometimes_broken
+        try:
+            async with engine.paused():
+                bad = victim.ask("xyzzy?", GREEDY)
+                good = bystander.ask("fine?", GREEDY)
+            good_text = await good.text()
+            with pytest.raises(StreamgrokError, match="injected failure"):
+                await bad.text()
+        finally:
+            model.forward, layer.forward = original_forward, original_layer
+        assert good.metrics.finish_reason in ("stop", "length") and good_text is not None
+        assert engine.stats.errors >= 1
+        assert await victim.ask("and now?", GREEDY).text() is not None  # next steps succeed
+        await victim.close()
+        await bystander.close()
+        await asyncio.sleep(0.1)
+        assert engine.cache.pool.used_pages == 0

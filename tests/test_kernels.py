@@ -32,11 +32,12 @@ from kernels import (  # noqa: E402
 )
 from kernels.ops import KernelOps  # noqa: E402
 from kernels.paged_kv import PagedKV  # noqa: E402
+from kernels.rotary import apply_rotary  # noqa: E402
 from streamgrok.cache.config import CacheConfig  # noqa: E402
 from streamgrok.cache.paged_cache import PagedKVCache  # noqa: E402
 from streamgrok.model.batch import BatchMetadata  # noqa: E402
 from streamgrok.model.config import RopeScaling  # noqa: E402
-from streamgrok.model.rotary import apply_rotary, inverse_frequencies  # noqa: E402
+from streamgrok.model.rotary import inverse_frequencies  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 16

@@ -358,3 +358,67 @@ def test_several_chunks_in_one_step_match_separate_steps(policy):
         want.append(model(ids[start : start + n], single, apart))
         start += n
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
+
+
+def cache_state(cache: PagedKVCache) -> dict:
+    """Everything a failed step must leave unchanged."""
+    state = {"refcount": list(cache.pool.refcount), "free": cache.pool.free_pages}
+    for seq_id, seq in cache.sequences.items():
+        state[seq_id] = (seq.stream_pos, seq.next_group, seq.last_frame_source, [
+            (list(rec.pages), rec.length, rec.meta[: rec.length].clone(),
+             rec.score[: rec.length].clone()) for rec in seq.layers])
+    return state
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], tuple):
+            assert a[key][:3] == b[key][:3]
+            for (pages, length, meta, score), (pages2, length2, meta2, score2) in zip(
+                    a[key][3], b[key][3]):
+                assert pages == pages2 and length == length2
+                assert torch.equal(meta, meta2) and torch.equal(score, score2)
+        else:
+            assert a[key] == b[key]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_forward_that_fails_mid_step_is_rolled_back_exactly(backend):
+    """Pages reserved before the forward pass; layer 1 raises after layer 0 wrote its K/V:
+    rollback restores page tables, refcounts, lengths, stream counters and scores; the same
+    step then succeeds and commits."""
+    from kernels.ops import KernelOps
+
+    model = random_model(CFG)
+    model.kernels = KernelOps(backend)
+    cache = PagedKVCache(CFG, CacheConfig(policy="h2o", budget_tokens=256), num_pages=64,
+                         kernels=model.kernels)
+    for seq, n in ((0, 21), (1, 16)):
+        cache.add_sequence(seq)
+        model(torch.arange(n) % 50, BatchMetadata.build([seq], [n]), cache)
+    before = cache_state(cache)
+    ids = torch.tensor([3, 4, 5, 6, 7, 8, 9])
+    batch = BatchMetadata.build([0, 1], [1, 6])
+    original = model.layers[1].forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure in layer 1")
+
+    model.layers[1].forward = broken
+    cache.reserve({0: 1, 1: 6})
+    assert cache.pool.free_pages < before["free"]  # pages exist before the forward pass
+    with pytest.raises(RuntimeError, match="injected"):
+        model(ids, batch, cache)
+    cache.rollback()
+    assert_same_state(before, cache_state(cache))
+    check_pool(cache)
+
+    model.layers[1].forward = original
+    cache.reserve({0: 1, 1: 6})
+    model(ids, BatchMetadata.build([0, 1], [1, 6]), cache)
+    cache.commit()
+    assert cache.layer_lengths(0) == [22] * CFG.num_layers
+    assert cache.layer_lengths(1) == [22] * CFG.num_layers
+    assert float(cache.sequences[0].layers[0].score.sum()) > 0  # committed attention mass
+    check_pool(cache)

@@ -157,12 +157,23 @@ async def live_client(port: int, name: str, frames: list[bytes], seconds: float,
     return result
 
 
-async def storm_client(port: int, name: str, frame: bytes) -> ClientResult:
-    """Connect, start, ask, and drop the connection as soon as the answer starts."""
+async def storm_client(port: int, name: str, frame: bytes, limit_s: float = 120.0
+                       ) -> ClientResult:
+    """Connect, start, ask, and drop the connection as soon as the answer starts (or after
+    `limit_s` without a first token, counted as unanswered)."""
     result = ClientResult(name)
     try:
+        async with asyncio.timeout(limit_s):
+            return await _storm(port, frame, result)
+    except TimeoutError:
+        result.errors["no first token"] += 1
+        return result
+
+
+async def _storm(port: int, frame: bytes, result: ClientResult) -> ClientResult:
+    try:
         async with await asyncio.wait_for(connect(f"ws://127.0.0.1:{port}/ws"), 30) as ws:
-            await ws.send(json.dumps({"type": "session.start", "id": name}))
+            await ws.send(json.dumps({"type": "session.start", "id": result.name}))
             await ws.send(pack_media("video.frame", 0, 0.0, frame))
             await ws.send(json.dumps({"type": "query", "id": "q", "text": QUESTIONS[0]}))
             result.asked = 1
@@ -174,6 +185,8 @@ async def storm_client(port: int, name: str, frame: bytes) -> ClientResult:
                     return result  # drop mid-answer
                 if message["type"] == "error":
                     result.errors[message["code"]] += 1
+                    if message["code"] in ("busy", "no_session"):
+                        return result  # refused: the server is full
     except (OSError, TimeoutError):
         result.handshake_failed = True
     return result

@@ -8,6 +8,10 @@ from collections.abc import Callable
 
 import torch
 
+from streamgrok.engine.metrics import percentile
+
+__all__ = ["median", "percentile", "synchronize", "timed"]
+
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work so wall-clock timings mean something."""
@@ -26,12 +30,3 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) by nearest rank; nan for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]

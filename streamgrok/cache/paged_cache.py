@@ -44,6 +44,15 @@ class SequenceState:
 
 
 @dataclass
+class Reservation:
+    """Pages allocated before a step's forward pass, and what to restore if it fails."""
+
+    counts: dict[int, int]  # seq id -> tokens reserved
+    saved: dict[int, tuple[list[tuple[int, int]], int, int, int | None]]  # see reserve()
+    masses: list[tuple[LayerTokens, torch.Tensor, int]] = field(default_factory=list)
+
+
+@dataclass
 class CacheStats:
     """Counters of what the cache has done."""
 
@@ -95,6 +104,7 @@ class PagedKVCache:
         self.rotary = Rotary(model_config, self.device)
         self.sequences: dict[int, SequenceState] = {}
         self.stats = CacheStats(evicted_by_layer=[0] * model_config.num_layers)
+        self._reservation: Reservation | None = None
 
     def memory_budget_bytes(self) -> float:
         """Bytes the page pool may use: a fixed size, or a share of free GPU memory."""
@@ -239,32 +249,92 @@ class PagedKVCache:
         """Whether `count` more tokens fit in the pool right now."""
         return self.pages_needed({seq_id: count}) <= self.pool.free_pages
 
-    # -- AttentionBackend ------------------------------------------------------------------
+    # -- reservation: a step's pages before its forward pass ------------------------------
 
     @torch.inference_mode()
-    def prepare(self, batch: BatchMetadata) -> None:
-        """Allocate pages and record metadata for the batch's new tokens (all or nothing)."""
-        spans = batch.spans()
-        if len({s for s, _, _ in spans}) != len(spans):
-            raise ValueError("a batch may hold each sequence once")
-        for seq_id, _, _ in spans:
+    def reserve(self, counts: dict[int, int]) -> None:
+        """Allocate pages for `counts[seq]` new tokens of each sequence in every layer, all or
+        none (CacheFullError), before the forward pass that writes them. Until `commit` (the
+        step succeeded) or `rollback` (it failed) the cache can be put back exactly as it was:
+        lengths, page tables, refcounts, stream counters and attention-mass scores."""
+        if self._reservation is not None:
+            raise RuntimeError("a reservation is already open: commit or roll it back first")
+        self._check_known(counts)
+        saved = {}
+        for seq_id in counts:
+            seq = self.sequences[seq_id]
+            saved[seq_id] = ([(layer.length, len(layer.pages)) for layer in seq.layers],
+                             seq.stream_pos, seq.next_group, seq.last_frame_source)
+        self._allocate(counts)
+        self._reservation = Reservation(dict(counts), saved)
+
+    @torch.inference_mode()
+    def commit(self) -> None:
+        """The step succeeded: keep its tokens and apply the attention mass it observed."""
+        reservation, self._reservation = self._reservation, None
+        if reservation is None:
+            return
+        for rec, mass, queries in reservation.masses:
+            self._accumulate(rec, mass, queries)
+
+    @torch.inference_mode()
+    def rollback(self) -> None:
+        """The step failed: drop its tokens and pages; the cache is as before `reserve`."""
+        reservation, self._reservation = self._reservation, None
+        if reservation is None:
+            return
+        for seq_id, (layers, stream_pos, next_group, last_source) in reservation.saved.items():
+            seq = self.sequences.get(seq_id)
+            if seq is None:
+                continue
+            for rec, (length, pages) in zip(seq.layers, layers):
+                self.pool.release(rec.pages[pages:])
+                rec.set_pages(rec.pages[:pages])
+                rec.length = length
+            seq.stream_pos, seq.next_group, seq.last_frame_source = (
+                stream_pos, next_group, last_source)
+
+    def _check_known(self, counts: dict[int, int]) -> None:
+        for seq_id in counts:
             if seq_id not in self.sequences:
                 raise KeyError(f"unknown sequence {seq_id}; call add_sequence first")
-        needed = self.pages_needed({s: n for s, _, n in spans})
+
+    def _allocate(self, counts: dict[int, int]) -> None:
+        self._check_known(counts)
+        needed = self.pages_needed(counts)
         if needed > self.pool.free_pages:
             raise CacheFullError(
                 f"KV cache out of pages: this step needs {needed}, {self.pool.free_pages} free "
                 f"of {self.pool.num_pages}"
             )
+        for seq_id, n in counts.items():
+            for layer in self.sequences[seq_id].layers:
+                extra = math.ceil((layer.length + n) / self.config.page_size) - len(layer.pages)
+                if extra > 0:
+                    layer.add_pages(self.pool.allocate(extra))
+
+    # -- AttentionBackend ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prepare(self, batch: BatchMetadata) -> None:
+        """Record metadata for the batch's new tokens, in pages reserved for them by
+        `reserve` (or, without a reservation, allocated now: all or nothing)."""
+        spans = batch.spans()
+        if len({s for s, _, _ in spans}) != len(spans):
+            raise ValueError("a batch may hold each sequence once")
+        counts = {s: n for s, _, n in spans}
+        reservation = self._reservation
+        if reservation is None:
+            self._allocate(counts)
+        else:
+            unreserved = [s for s, n in counts.items() if reservation.counts.get(s, 0) < n]
+            if unreserved:
+                raise ValueError(f"sequences {unreserved} were not reserved for this step")
         info = batch.token_info or TokenInfo.text(batch.num_tokens)
         starts: dict[int, list[int]] = {}
         for seq_id, row, n in spans:
             seq = self.sequences[seq_id]
             starts[seq_id] = [layer.length for layer in seq.layers]
-            for layer in seq.layers:
-                extra = math.ceil((layer.length + n) / self.config.page_size) - len(layer.pages)
-                if extra > 0:
-                    layer.add_pages(self.pool.allocate(extra))
             self._append_records(seq, info.slice(row, row + n))
         self.stats.appended_tokens += batch.num_tokens
         records = {s: self.sequences[s].layers for s, _, _ in spans}
@@ -309,8 +379,11 @@ class PagedKVCache:
         out[group.rows] = result.to(out.dtype)
         if mass is not None:  # scores stay on the device: no sync per layer
             for i, (seq_id, total) in enumerate(zip(group.seq_ids, group.totals[layer])):
-                self._accumulate(self.sequences[seq_id].layers[layer], mass[i, :total],
-                                 observed[i])
+                rec = self.sequences[seq_id].layers[layer]
+                if self._reservation is None:
+                    self._accumulate(rec, mass[i, :total], observed[i])
+                else:  # applied by commit, so a failed step leaves the scores as they were
+                    self._reservation.masses.append((rec, mass[i, :total], observed[i]))
 
     def _accumulate(self, rec: LayerTokens, mass: torch.Tensor, queries: int) -> None:
         n = mass.shape[0]

@@ -14,14 +14,13 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from streamgrok.bench.timing import percentile
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.engine.config import EngineConfig
-from streamgrok.engine.metrics import EngineStats, StepRecord
+from streamgrok.engine.metrics import EngineStats, StepRecord, percentile
 from streamgrok.engine.pending import AppendItem, PendingQueue, QuestionMarker
 from streamgrok.engine.runner import ModelRunner
-from streamgrok.engine.scheduler import Scheduler, StepPlan
+from streamgrok.engine.scheduler import Scheduler, Span, StepPlan
 from streamgrok.engine.session import Answer, Session
 from streamgrok.engine.state import AnswerState, SessionState
 from streamgrok.errors import CacheFullError, RequestTooLarge, StreamgrokError
@@ -408,27 +407,57 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> None:
         started = time.perf_counter()
-        try:
-            sampled = self.runner.run(plan)
-        except Exception as exc:  # a bad input must not take the engine down
-            log.exception("engine step failed")
-            self.stats.errors += 1
-            self._fail_plan(plan, f"engine step failed: {exc}")
-            return
+        sampled, failed = self._run_plan(plan)
         now = time.monotonic()
         for index, span in enumerate(plan.spans):
-            if span.kind == "media":
+            if index in failed:
+                self._fail_span(span, f"engine step failed: {failed[index]}")
+            elif span.kind == "media":
                 self._consume(span)
-                continue
-            answer = span.answer
-            if span.kind == "prompt":
-                answer.prompt_done += len(span)
-            if index in sampled:
-                self._on_token(answer, sampled[index], now)
+            else:
+                answer = span.answer
+                if span.kind == "prompt":
+                    answer.prompt_done += len(span)
+                if index in sampled:
+                    self._on_token(answer, sampled[index], now)
         self._evict()
         self._publish_prefixes()
         self.stats.record(StepRecord(time.perf_counter() - started, plan.decode_tokens,
                                      plan.prefill_tokens, len(plan.spans)))
+
+    def _run_plan(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, Exception]]:
+        """Run the plan on pages reserved before the forward pass. If it fails, the cache is
+        rolled back and each span runs alone, so the failure is attributed to the span that
+        caused it and the others still make progress. Returns (sampled, failed) by span."""
+        try:
+            return self._run_reserved(plan), {}
+        except Exception as exc:
+            if len(plan.spans) == 1:
+                log.exception("engine step failed")
+                self.stats.errors += 1
+                return {}, {0: exc}
+        sampled, failed = {}, {}
+        for index, span in enumerate(plan.spans):
+            try:
+                got = self._run_reserved(StepPlan([span]))
+            except Exception as exc:  # a bad input must not take the engine down
+                log.exception("engine step failed for sequence %d", span.seq_id)
+                self.stats.errors += 1
+                failed[index] = exc
+                continue
+            if 0 in got:
+                sampled[index] = got[0]
+        return sampled, failed
+
+    def _run_reserved(self, plan: StepPlan) -> dict[int, int]:
+        self.cache.reserve(plan.token_counts())
+        try:
+            sampled = self.runner.run(plan)
+        except BaseException:
+            self.cache.rollback()
+            raise
+        self.cache.commit()
+        return sampled
 
     def _evict(self) -> None:
         """Evict every sequence over budget; one that cannot be evicted fails its owner (that
@@ -523,15 +552,15 @@ class Engine:
         self.stats.answers_failed += 1
         answer.emit("error", message)
 
-    def _fail_plan(self, plan: StepPlan, message: str) -> None:
-        for span in plan.spans:
-            if span.answer is not None:
-                self._abort_answer(self._sessions.get(span.answer.session_id), span.answer,
-                                   message)
-            else:
-                for item, _ in span.items:  # drop the media that broke the step
-                    item.done = len(item)
-                self._consume(span)
+    def _fail_span(self, span: Span, message: str) -> None:
+        """A span whose forward pass failed: its answer fails, or its media is dropped."""
+        if span.answer is not None:
+            self._abort_answer(self._sessions.get(span.answer.session_id), span.answer, message)
+            return
+        for item, _ in span.items:  # drop the media that broke the step
+            item.done = len(item)
+        self.stats.dropped_frames += sum(1 for item, _ in span.items if item.droppable)
+        self._consume(span)
 
     def _shutdown(self) -> None:
         for session in list(self._sessions.values()):

@@ -80,3 +80,13 @@ class EngineStats:
         self.decode_tokens += step.decode_tokens
         self.prefill_tokens += step.prefill_tokens
         self.recent.append(step)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by nearest rank; nan for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+

@@ -55,6 +55,10 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.spans
 
+    def token_counts(self) -> dict[int, int]:
+        """New tokens per sequence (what the cache reserves pages for)."""
+        return {span.seq_id: len(span) for span in self.spans}
+
     def release(self) -> None:
         """Give every claimed media item back (the plan will not run)."""
         for span in self.spans:

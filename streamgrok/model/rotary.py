@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from kernels.rotary import apply_rotary
 from streamgrok.model.config import ModelConfig, RopeScaling
 
 
@@ -72,11 +73,3 @@ class Rotary:
         cos, sin = self.cos_sin(positions)
         return apply_rotary(x, cos, sin)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotation of x [tokens, heads, head_dim] with cos/sin [tokens, head_dim/2]."""
-    half = x.shape[-1] // 2
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -30,7 +30,7 @@ from streamgrok.server.connection import ClientConnection
 from streamgrok.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
-STATIC_DIR = Path(__file__).resolve().parents[2] / "demos" / "assistant"
+STATIC_DIR = Path(__file__).resolve().parent / "static"
 STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                 ".css": "text/css; charset=utf-8"}
 TOKEN_ENV = "STREAMGROK_TOKEN"
