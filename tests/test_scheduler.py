@@ -1,4 +1,5 @@
-"""The scheduler alone, without a thread or a model: fake sessions on a real page pool."""
+"""The planner and the scheduler alone, without a thread or a model: fake sessions and fake
+sampled tokens on a real page pool."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.engine.config import EngineConfig
 from streamgrok.engine.pending import AppendItem, PendingQueue, QuestionMarker
-from streamgrok.engine.scheduler import Scheduler
+from streamgrok.engine.plan import Planner
 from streamgrok.engine.state import SessionState
 from streamgrok.stream_tokens import Modality, TokenInfo
 
@@ -18,7 +19,7 @@ CFG = tiny_config()
 
 def make(config: EngineConfig | None = None, frame_queue: int = 2):
     cache = PagedKVCache(CFG, CacheConfig(policy="h2o", budget_tokens=256), num_pages=256)
-    return Scheduler(config or EngineConfig(media_batch_tokens=1), cache), cache, frame_queue
+    return Planner(config or EngineConfig(media_batch_tokens=1), cache), cache, frame_queue
 
 
 def session(cache, session_id: int, frame_queue: int) -> SessionState:

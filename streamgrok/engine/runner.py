@@ -1,20 +1,26 @@
-"""Turn a StepPlan into model calls: pack spans, split nano-batches, run, sample."""
+"""Turn a StepPlan into model calls: reserve pages, pack spans, split nano-batches, run,
+sample, then commit the cache (or roll it back and find the span that failed)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from streamgrok.engine.scheduler import Span, StepPlan
-from streamgrok.model.batch import AttentionBackend, BatchMetadata
+from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.engine.plan import Span, StepPlan
+from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.llama import Transformer
 from streamgrok.model.sampling import sample
 from streamgrok.stream_tokens import TokenInfo
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
     """Runs one engine step on the model and returns a sampled token per sampling span."""
 
-    def __init__(self, model: Transformer, backend: AttentionBackend, nano_batches: int = 1,
+    def __init__(self, model: Transformer, backend: PagedKVCache, nano_batches: int = 1,
                  length_ratio: float = 0.8) -> None:
         self.model = model
         self.backend = backend
@@ -24,6 +30,38 @@ class ModelRunner:
         self.streams = None
         if self.device.type == "cuda" and nano_batches > 1:
             self.streams = [torch.cuda.Stream(self.device) for _ in range(nano_batches)]
+
+    def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict[int, Exception]]:
+        """Run the plan on pages reserved before the forward pass. If it fails, the cache is
+        rolled back and each span runs alone, so the failure is attributed to the span that
+        caused it and the others still make progress. Returns (sampled, failed) by span."""
+        try:
+            return self._run_reserved(plan), {}
+        except Exception as exc:
+            if len(plan.spans) == 1:
+                log.exception("engine step failed")
+                return {}, {0: exc}
+        sampled, failed = {}, {}
+        for index, span in enumerate(plan.spans):
+            try:
+                got = self._run_reserved(StepPlan([span]))
+            except Exception as exc:  # a bad input must not take the engine down
+                log.exception("engine step failed for sequence %d", span.seq_id)
+                failed[index] = exc
+                continue
+            if 0 in got:
+                sampled[index] = got[0]
+        return sampled, failed
+
+    def _run_reserved(self, plan: StepPlan) -> dict[int, int]:
+        self.backend.reserve(plan.token_counts())
+        try:
+            sampled = self.run(plan)
+        except BaseException:
+            self.backend.rollback()
+            raise
+        self.backend.commit()
+        return sampled
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> dict[int, int]:

@@ -1,178 +1,317 @@
-"""Plan one engine step: decode first, then question prompts, then media prefill.
+"""The scheduler: owner of every session and answer and of each state transition.
 
-Continuous batching: every step re-plans from scratch, so new questions and appends join at the
-next step and finished answers leave at once. Fairness: prefill is shared out per session
-(round-robin start, at most an equal share each), so a session flooding frames only fills its
-own bounded queue.
+It runs on the engine thread only. `schedule()` admits questions (forking the session's
+sequence) and plans the step; `update()` applies what the step produced (media consumed,
+prompt progress, sampled tokens, finished answers); `evict()` brings sequences back to their
+budgets. Every change a consumer must hear about goes into `outputs`, handed to the event loop
+once per step. Nothing here needs a thread or a model, so it is unit-tested directly.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
-from dataclasses import dataclass, field
+from collections import deque
 
 import torch
 
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.engine.config import EngineConfig
-from streamgrok.engine.pending import AppendItem
+from streamgrok.engine.events import AnswerDelta, AnswerDone, AnswerFailed, StepOutputs
+from streamgrok.engine.metrics import EngineStats, StepRecord, percentile
+from streamgrok.engine.pending import AppendItem, QuestionMarker
+from streamgrok.engine.plan import Planner, Span, StepPlan
 from streamgrok.engine.state import AnswerState, SessionState
+from streamgrok.errors import CacheFullError
 from streamgrok.stream_tokens import TokenInfo
 
-
-@dataclass
-class Span:
-    """Rows of the packed batch that belong to one sequence."""
-
-    seq_id: int
-    token_ids: torch.Tensor
-    info: TokenInfo
-    embeddings: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, vectors)
-    kind: str = "media"  # "decode", "prompt" (a question's turn) or "media"
-    answer: AnswerState | None = None
-    samples: bool = False  # sample a token from this span's last row
-    items: list[tuple[AppendItem, int]] = field(default_factory=list)  # media consumed
-    session: SessionState | None = None
-
-    def __len__(self) -> int:
-        return self.token_ids.shape[0]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.kind == "decode"
-
-    def release(self) -> None:
-        """Give the claimed media back to its queue (the span will not run)."""
-        for item, _ in self.items:
-            item.in_flight = False
-
-
-@dataclass
-class StepPlan:
-    spans: list[Span] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.spans
-
-    def token_counts(self) -> dict[int, int]:
-        """New tokens per sequence (what the cache reserves pages for)."""
-        return {span.seq_id: len(span) for span in self.spans}
-
-    def release(self) -> None:
-        """Give every claimed media item back (the plan will not run)."""
-        for span in self.spans:
-            span.release()
-
-    @property
-    def decode_tokens(self) -> int:
-        return sum(len(s) for s in self.spans if s.is_decode)
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(len(s) for s in self.spans if not s.is_decode)
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Chooses each step's work under the token budget and the free pages."""
+    """Sessions, answers and their transitions; plans and applies engine steps."""
 
-    def __init__(self, config: EngineConfig, cache: PagedKVCache) -> None:
+    def __init__(self, config: EngineConfig, cache: PagedKVCache, ids: itertools.count,
+                 end_of_turn: list[int], protected_limit: int | None) -> None:
         self.config = config
         self.cache = cache
-        self._decode_turn = 0
-        self._prefill_turn = 0
+        self.planner = Planner(config, cache)
+        self.sessions: dict[int, SessionState] = {}
+        self.stats = EngineStats(recent=deque(maxlen=config.recent_steps))
+        self.outputs = StepOutputs()
+        self._ids = ids
+        self._end_of_turn = end_of_turn
+        self._protected_limit = protected_limit
 
-    def plan(self, sessions: list[SessionState]) -> StepPlan:
-        plan = StepPlan()
-        budget = self.config.step_tokens
-        free = _PageBudget(self.cache)
-        answers = [a for s in sessions for a in s.answers.values()
-                   if not a.cancel_requested.is_set()]
+    # -- commands --------------------------------------------------------------------------
 
-        decoding = [a for a in answers if a.phase == "decode" and a.next_token is not None]
-        decoding = _rotate(decoding, self._decode_turn)[: min(self.config.max_batch, budget)]
-        self._decode_turn += 1
-        for answer in decoding:
-            if free.take(answer.seq_id, 1):
-                plan.spans.append(Span(
-                    answer.seq_id, torch.tensor([answer.next_token]),
-                    TokenInfo.text(1, protected=True), kind="decode", answer=answer,
-                    samples=True,
-                ))
-                budget -= 1
+    def register(self, state: SessionState) -> None:
+        """Start a session's sequence (sharing a published system-prompt prefix)."""
+        self.sessions[state.session_id] = state
+        try:
+            reused = self.cache.add_sequence(
+                state.seq_id, prefix_tokens=state.system_tokens or None,
+                pinned=len(state.system_tokens),
+            )
+        except Exception as exc:
+            log.exception("session %d could not start", state.session_id)
+            self.stats.errors += 1
+            self.close(state, error=f"session could not start: {exc}")
+            return
+        head = state.pending.head()
+        if reused and isinstance(head, AppendItem):
+            head.done = reused
+            if head.remaining == 0:
+                state.pending.pop_head()
+        state.registered = True
 
-        if plan.spans:  # decodes run this step: keep it short so time between tokens stays low
-            budget = min(budget, self.config.decode_step_prefill)
-        prompts = [a for a in answers if a.phase == "prompt"]
-        for answer in prompts:
-            share = min(answer.prompt.numel() - answer.prompt_done, budget)
-            if share <= 0 or not free.take(answer.seq_id, share):
-                continue
-            ids = answer.prompt[answer.prompt_done : answer.prompt_done + share]
-            plan.spans.append(Span(
-                answer.seq_id, ids, TokenInfo.text(share, protected=True), kind="prompt",
-                answer=answer, samples=answer.prompt_done + share == answer.prompt.numel(),
-            ))
-            budget -= share
-
-        now = time.monotonic()
-        feeding = [
-            s for s in sessions
-            if s.registered and isinstance(s.pending.head(), AppendItem)
-            and s.pending.ready_for_prefill(self.config.media_batch_tokens,
-                                            self.config.media_wait_s, now)
-        ]
-        feeding = _rotate(feeding, self._prefill_turn)
-        self._prefill_turn += 1
-        for i, session in enumerate(feeding):
-            if budget <= 0:
-                break
-            share = max(self.config.min_prefill_share, budget // (len(feeding) - i))
-            span = _media_span(session, min(share, budget))
-            if span is None:
-                continue
-            if free.take(session.seq_id, len(span)):
-                plan.spans.append(span)
-                budget -= len(span)
+    def close(self, state: SessionState, error: str | None = None) -> None:
+        """Free a session; its answers end as cancelled, or with `error` when it failed."""
+        if state.closing:
+            return
+        state.error = error
+        state.closing = True
+        for answer in list(state.answers.values()):
+            if error is None:
+                self._end_answer(state, answer, "cancelled")
             else:
-                span.release()
-        return plan
+                self._abort_answer(state, answer, error)
+        for item in state.pending.snapshot():
+            if isinstance(item, QuestionMarker):
+                if error is None:
+                    self._cancel_waiting(item.answer)
+                else:
+                    self._fail(item.answer, error)
+        state.pending.clear()
+        self.stats.dropped_frames += state.pending.dropped_items  # it leaves the snapshot sum
+        if state.seq_id in self.cache.sequences:
+            self.cache.remove_sequence(state.seq_id)
+        self.sessions.pop(state.session_id, None)
+        state.on_closed()
 
+    def close_all(self) -> None:
+        for session in list(self.sessions.values()):
+            self.close(session)
 
-class _PageBudget:
-    """Free pages left for this step as spans are added."""
+    def fail_everything(self, message: str) -> None:
+        """Last resort after a bug in the engine loop itself: fail every running answer."""
+        for session in list(self.sessions.values()):
+            for answer in list(session.answers.values()):
+                self._abort_answer(session, answer, message)
 
-    def __init__(self, cache: PagedKVCache) -> None:
-        self.cache = cache
-        self.free = cache.pool.free_pages
+    # -- one step --------------------------------------------------------------------------
 
-    def take(self, seq_id: int, tokens: int) -> bool:
-        needed = self.cache.pages_needed({seq_id: tokens})
-        if needed > self.free:
-            return False
-        self.free -= needed
-        return True
+    def schedule(self) -> StepPlan:
+        """Reap cancelled answers, admit questions reached in the stream, plan the step."""
+        self._reap_cancelled()
+        self._admit_questions()
+        return self.planner.plan(self.active_sessions())
 
+    def update(self, plan: StepPlan, sampled: dict[int, int], failed: dict[int, Exception],
+               seconds: float) -> None:
+        """Apply a step's results: `sampled` tokens and `failed` spans, by span index."""
+        now = time.monotonic()
+        self.stats.errors += len(failed)
+        for index, span in enumerate(plan.spans):
+            if index in failed:
+                self._fail_span(span, f"engine step failed: {failed[index]}")
+            elif span.kind == "media":
+                self._consume(span)
+            else:
+                answer = span.answer
+                if span.kind == "prompt":
+                    answer.prompt_done += len(span)
+                if index in sampled:
+                    self._on_token(answer, sampled[index], now)
+        self.stats.record(StepRecord(seconds, plan.decode_tokens, plan.prefill_tokens,
+                                     len(plan.spans)))
 
-def _rotate(items: list, turn: int) -> list:
-    if not items:
-        return items
-    k = turn % len(items)
-    return items[k:] + items[:k]
+    def evict(self) -> None:
+        """Evict every sequence over budget; one that cannot be evicted fails its owner (that
+        answer, or that session) and nobody else. Then publish finished system prompts."""
+        failed: dict[int, Exception] = {}
+        self.cache.evict(failed=failed)
+        for seq_id, exc in failed.items():
+            log.warning("sequence %d could not be evicted: %s", seq_id, exc)
+            self.stats.errors += 1
+            self._fail_sequence(seq_id, f"the KV cache could not make room: {exc}")
+        self._publish_prefixes()
 
+    def snapshot(self) -> dict:
+        """Engine and cache numbers, as a new dict (the engine publishes it read-only)."""
+        stats = self.stats
+        recent = list(stats.recent)
+        step_ms = [r.seconds * 1e3 for r in recent]
+        pool = self.cache.pool
+        sessions = list(self.sessions.values())
+        return {
+            "sessions": len(sessions),
+            "steps": stats.steps,
+            "decode_tokens": stats.decode_tokens,
+            "prefill_tokens": stats.prefill_tokens,
+            "answers": {
+                "started": stats.answers_started,
+                "finished": stats.answers_finished,
+                "cancelled": stats.answers_cancelled,
+                "failed": stats.answers_failed,
+            },
+            "step_ms_p50": percentile(step_ms, 50),
+            "step_ms_p95": percentile(step_ms, 95),
+            "last_step": None if not recent else {
+                "decode_tokens": recent[-1].decode_tokens,
+                "prefill_tokens": recent[-1].prefill_tokens,
+                "sequences": recent[-1].sequences,
+            },
+            "queue_tokens": {s.session_id: s.pending.pending_tokens() for s in sessions},
+            "kv_pages_used": pool.used_pages,
+            "kv_pages_total": pool.num_pages,
+            "kv_bytes_used": pool.used_pages * self.cache.page_bytes,
+            "evicted_tokens": self.cache.stats.evicted_tokens,
+            "eviction_passes": self.cache.stats.eviction_passes,
+            "dropped_frames": stats.dropped_frames + sum(s.pending.dropped_items
+                                                         for s in sessions),
+            "unprotected_tokens": stats.unprotected_tokens,
+            "errors": stats.errors,
+        }
 
-def _media_span(session: SessionState, share: int) -> Span | None:
-    """Take up to `share` tokens from the head items of a session's pending queue."""
-    ids, infos, embeddings, consumed = [], [], [], []
-    taken = 0
-    for item, start, n in session.pending.claim(share):
-        ids.append(item.token_ids[start : start + n])
-        infos.append(item.info.slice(start, start + n))
-        if item.embeddings is not None:
-            embeddings.append((taken, item.embeddings[start : start + n]))
-        consumed.append((item, n))
-        taken += n
-    if not taken:
-        return None
-    return Span(session.seq_id, torch.cat(ids), TokenInfo.concat(infos), embeddings,
-                items=consumed, session=session)
+    def take_outputs(self) -> StepOutputs:
+        outputs, self.outputs = self.outputs, StepOutputs()
+        return outputs
+
+    def active_sessions(self) -> list[SessionState]:
+        return [s for s in self.sessions.values() if s.registered and not s.closing]
+
+    # -- transitions -----------------------------------------------------------------------
+
+    def _reap_cancelled(self) -> None:
+        for session in self.active_sessions():
+            for answer in list(session.answers.values()):
+                if answer.cancel_requested.is_set():
+                    self._end_answer(session, answer, "cancelled")
+
+    def _admit_questions(self) -> None:
+        busy = any(s.answers for s in self.active_sessions())
+        for session in self.active_sessions():
+            while isinstance(marker := session.pending.head(), QuestionMarker):
+                answer: AnswerState = marker.answer
+                if answer.cancel_requested.is_set():
+                    session.pending.pop_head()
+                    self._cancel_waiting(answer)
+                    continue
+                seq_id = next(self._ids)
+                try:
+                    self.cache.fork(session.seq_id, seq_id)
+                except CacheFullError as exc:
+                    if busy:
+                        break  # pages come back as running answers finish
+                    session.pending.pop_head()
+                    self._fail(answer, f"cannot start the answer: {exc}")
+                    continue
+                session.pending.pop_head()
+                answer.seq_id = seq_id
+                session.answers[answer.answer_id] = answer
+                self.stats.answers_started += 1
+                busy = True
+
+    def _consume(self, span: Span) -> None:
+        session = span.session
+        for item, n in span.items:
+            item.done += n
+            item.in_flight = False
+        while isinstance(head := session.pending.head(), AppendItem) and head.remaining == 0:
+            session.pending.pop_head()
+        self.outputs.wake(session.notify_space)
+
+    def _on_token(self, answer: AnswerState, token: int, now: float) -> None:
+        if answer.metrics.first_token_at is None:
+            answer.metrics.first_token_step = self.stats.steps + 1
+        answer.metrics.on_token(now)
+        session = self.sessions.get(answer.session_id)
+        if token in answer.stop_ids:
+            self._end_answer(session, answer, "stop")
+            return
+        answer.generated.append(token)
+        delta = answer.detokenizer.push(token)
+        if delta:
+            self.outputs.emit(answer.deliver, AnswerDelta(delta))
+        if len(answer.generated) >= answer.sampling.max_tokens:
+            self._end_answer(session, answer, "length")
+            return
+        answer.next_token = token
+
+    def _end_answer(self, session: SessionState, answer: AnswerState, reason: str) -> None:
+        tail = answer.detokenizer.flush()
+        if tail and reason != "cancelled":
+            self.outputs.emit(answer.deliver, AnswerDelta(tail))
+        answer.metrics.finish_reason = reason
+        if answer.seq_id is not None and answer.seq_id in self.cache.sequences:
+            self.cache.remove_sequence(answer.seq_id)
+        session.answers.pop(answer.answer_id, None)
+        if reason == "cancelled":
+            self.stats.answers_cancelled += 1
+        else:
+            self.stats.answers_finished += 1
+            if answer.append_to_context and not session.closing:
+                self._remember(session, answer)
+        self.outputs.emit(answer.deliver, AnswerDone(answer.metrics))
+
+    def _remember(self, session: SessionState, answer: AnswerState) -> None:
+        """The question and its answer join the session's context as (protected) text."""
+        ids = answer.prompt.tolist() + answer.generated + self._end_of_turn
+        limit = self._protected_limit
+        room = None if limit is None else limit - len(session.system_tokens)
+        protect = self.config.protect_answers and (room is None or len(ids) <= room)
+        session.pending.put(AppendItem(TokenInfo.text(len(ids), protected=protect),
+                                       torch.tensor(ids, dtype=torch.long)))
+        if protect and room is not None:
+            self.stats.unprotected_tokens += self.cache.limit_protected(
+                session.seq_id, room - len(ids))
+
+    def _publish_prefixes(self) -> None:
+        for session in self.active_sessions():
+            if session.prefix_published or not session.system_tokens:
+                continue
+            seq = self.cache.sequences.get(session.seq_id)
+            if seq is not None and seq.stream_pos >= len(session.system_tokens):
+                self.cache.publish_prefix(session.seq_id, session.system_tokens)
+                session.prefix_published = True
+
+    def _cancel_waiting(self, answer: AnswerState) -> None:
+        answer.metrics.finish_reason = "cancelled"
+        self.stats.answers_cancelled += 1
+        self.outputs.emit(answer.deliver, AnswerDone(answer.metrics))
+
+    def _fail(self, answer: AnswerState, message: str) -> None:
+        answer.metrics.finish_reason = "error"
+        self.stats.answers_failed += 1
+        self.outputs.emit(answer.deliver, AnswerFailed(message))
+
+    def _abort_answer(self, session: SessionState | None, answer: AnswerState,
+                      message: str) -> None:
+        """Free the answer's fork, forget it, and send its consumer the error."""
+        if answer.seq_id in self.cache.sequences:
+            self.cache.remove_sequence(answer.seq_id)
+        if session is not None:
+            session.answers.pop(answer.answer_id, None)
+        self._fail(answer, message)
+
+    def _fail_span(self, span: Span, message: str) -> None:
+        """A span whose forward pass failed: its answer fails, or its media is dropped."""
+        if span.answer is not None:
+            self._abort_answer(self.sessions.get(span.answer.session_id), span.answer, message)
+            return
+        for item, _ in span.items:  # drop the media that broke the step
+            item.done = len(item)
+        self.stats.dropped_frames += sum(1 for item, _ in span.items if item.droppable)
+        self._consume(span)
+
+    def _fail_sequence(self, seq_id: int, message: str) -> None:
+        for session in list(self.sessions.values()):
+            if session.seq_id == seq_id:
+                self.close(session, error=message)
+                return
+            for answer in list(session.answers.values()):
+                if answer.seq_id == seq_id:
+                    self._abort_answer(session, answer, message)
+                    return

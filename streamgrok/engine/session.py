@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from streamgrok.engine.events import AnswerDelta, AnswerDone, AnswerFailed
 from streamgrok.engine.metrics import AnswerMetrics
 from streamgrok.engine.pending import AppendItem
 from streamgrok.engine.state import AnswerState, SessionState
@@ -47,15 +48,15 @@ class Answer:
 
     async def _deltas(self) -> AsyncIterator[str]:
         while not self.finished:
-            kind, payload = await self._queue.get()
-            if kind == "delta":
-                yield payload
-            elif kind == "error":
-                self.error = str(payload)
-                self.finished = True
-                raise StreamgrokError(self.error)
-            else:
-                self.finished = True
+            match await self._queue.get():
+                case AnswerDelta(text):
+                    yield text
+                case AnswerFailed(message):
+                    self.error = message
+                    self.finished = True
+                    raise StreamgrokError(message)
+                case AnswerDone():
+                    self.finished = True
 
     async def text(self) -> str:
         """The whole answer."""
@@ -145,8 +146,7 @@ class Session:
         info = TokenInfo.uniform(k, modality, timestamp, source, False)
         item = AppendItem(info, torch.zeros(k, dtype=torch.long), vectors.detach().cpu(),
                           droppable)
-        dropped = self._state.pending.put(item)
-        self._engine.record_drops(dropped)
+        dropped = self._state.pending.put(item)  # counted by the queue, shown in snapshots
         self._engine.wake()
         return len(dropped)
 
@@ -164,6 +164,11 @@ class Session:
         """
         self._check_open()
         return self._engine.submit_question(self._state, question, sampling, raw, remember)
+
+    async def cache_info(self) -> dict:
+        """What the KV cache holds of this session: `layer_tokens` (tokens per layer) and
+        `retained` (the frames, notes and audio eviction kept), read on the engine thread."""
+        return await self._engine.session_info(self._state)
 
     async def close(self) -> None:
         """Cancel answers and free every page of the session."""

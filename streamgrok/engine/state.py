@@ -8,13 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from streamgrok.engine.events import Deliver
 from streamgrok.engine.metrics import AnswerMetrics
 from streamgrok.engine.pending import PendingQueue
 from streamgrok.model.detokenizer import IncrementalDetokenizer
 from streamgrok.model.sampling import SamplingParams
-
-# An event sent to an answer's consumer: ("delta", text) | ("done", metrics) | ("error", text)
-Emit = Callable[[str, object], None]
 
 
 @dataclass
@@ -28,7 +26,7 @@ class AnswerState:
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     stop_ids: frozenset[int]
-    emit: Emit
+    deliver: Deliver  # runs on the event loop (StepOutputs.deliver calls it)
     append_to_context: bool = True
     seq_id: int | None = None  # the fork, once the question is reached in the stream
     prompt_done: int = 0
@@ -52,7 +50,8 @@ class SessionState:
     seq_id: int
     pending: PendingQueue
     system_tokens: list[int]
-    notify_space: Callable[[], None]
+    notify_space: Callable[[], None]  # on the event loop: text room was freed
+    on_closed: Callable[[], None] = lambda: None  # on the engine thread, once
     answers: dict[int, AnswerState] = field(default_factory=dict)
     registered: bool = False
     prefix_published: bool = False

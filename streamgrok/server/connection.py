@@ -305,26 +305,27 @@ class ClientConnection:
     async def _stats_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
-            self._queue("stats", event("stats", **self.stats()))
+            self._queue("stats", event("stats", **await self.stats()))
 
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
+        """The `stats` message: engine snapshot, this session's cache contents, drops."""
         engine = self.server.engine
         snap = engine.snapshot()
-        seq_id = self.runner.session._state.seq_id if self.runner else None
-        cache = engine.cache
-        layers = cache.layer_lengths(seq_id) if seq_id in cache.sequences else []
-        ingest = self.runner.ingest.stats if self.runner and self.runner.ingest else None
+        runner = self.runner
+        info = await runner.session.cache_info() if runner else {}
+        ingest = runner.ingest.stats if runner and runner.ingest else None
         return {
             "kv": {"pages_used": snap["kv_pages_used"], "pages_total": snap["kv_pages_total"],
-                   "layer_tokens": layers, "layer_budget": cache.budgets},
+                   "layer_tokens": info.get("layer_tokens", []),
+                   "layer_budget": engine.cache.budgets},
             "evicted_tokens": snap["evicted_tokens"],
-            "retained": cache.retained(seq_id) if seq_id in cache.sequences else [],
+            "retained": info.get("retained", []),
             "drops": {
                 "frames": ingest.dropped_frames if ingest else 0,
                 "rate_limited": self.rate_limited,
                 "outbound": self.dropped_outbound,
             },
-            "stream_time": self.runner.stats.stream_time if self.runner else 0.0,
+            "stream_time": runner.stats.stream_time if runner else 0.0,
             "latency": {"step_ms_p50": snap["step_ms_p50"], "step_ms_p95": snap["step_ms_p95"]},
         }
 

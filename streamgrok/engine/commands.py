@@ -1,0 +1,31 @@
+"""Commands the event loop sends the engine thread (on the engine's one command queue)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from streamgrok.engine.state import SessionState
+
+
+@dataclass(frozen=True)
+class NewSession:
+    """Start the session's sequence."""
+
+    state: SessionState
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    """Free the session; `done` resolves when it is gone."""
+
+    state: SessionState
+    done: asyncio.Future
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """Resolve `done` with what the cache holds of the session."""
+
+    state: SessionState
+    done: asyncio.Future
