@@ -3,15 +3,21 @@ sampled tokens on a real page pool."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from helpers import tiny_config
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.engine.config import EngineConfig
+from streamgrok.engine.events import AnswerDelta, AnswerDone
 from streamgrok.engine.pending import AppendItem, PendingQueue, QuestionMarker
 from streamgrok.engine.plan import Planner
-from streamgrok.engine.state import SessionState
+from streamgrok.engine.scheduler import Scheduler
+from streamgrok.engine.state import AnswerState, SessionState
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.sampling import SamplingParams
 from streamgrok.stream_tokens import Modality, TokenInfo
 
 CFG = tiny_config()
@@ -92,3 +98,109 @@ def test_a_question_marker_stops_media_at_the_point_it_was_asked():
     state.pending.put(after)
     plan = scheduler.plan([state])
     assert [item for item, _ in plan.spans[0].items] == [before]
+
+
+# -- the scheduler: transitions with fake sampled tokens -------------------------------------
+
+
+
+EOS = 2
+
+
+class FakeDetokenizer:
+    def push(self, token: int) -> str:
+        return f"<{token}>"
+
+    def flush(self) -> str:
+        return ""
+
+
+def new_scheduler(**config) -> Scheduler:
+    cache = PagedKVCache(CFG, CacheConfig(policy="h2o", budget_tokens=256), num_pages=512)
+    return Scheduler(EngineConfig(media_batch_tokens=1, **config), cache, itertools.count(100),
+                     end_of_turn=[EOS], protected_limit=128)
+
+
+def registered(scheduler: Scheduler, session_id: int) -> SessionState:
+    state = SessionState(session_id, session_id, PendingQueue(8, 4096), [], lambda: None)
+    scheduler.register(state)
+    return state
+
+
+def question(state: SessionState, prompt_len: int = 5, max_tokens: int = 3) -> tuple:
+    events = []
+    answer = AnswerState(
+        answer_id=state.session_id * 10, session_id=state.session_id,
+        prompt=torch.arange(prompt_len) + 10, sampling=SamplingParams(max_tokens=max_tokens),
+        generator=None, detokenizer=FakeDetokenizer(), stop_ids=frozenset({EOS}),
+        deliver=events.append)
+    state.pending.put(QuestionMarker(answer))
+    return answer, events
+
+
+def run_step(scheduler: Scheduler, tokens: dict[int, int] | None = None):
+    """Schedule, 'run' (every sampling span samples tokens[seq] or 7), update, deliver."""
+    plan = scheduler.schedule()
+    counts = plan.token_counts()
+    scheduler.cache.reserve(counts)
+    for span in plan.spans:  # records only: the forward pass is not what is tested here
+        batch = BatchMetadata.build([span.seq_id], [len(span)])
+        batch.token_info = span.info
+        scheduler.cache.prepare(batch)
+    scheduler.cache.commit()
+    sampled = {i: (tokens or {}).get(span.seq_id, 7)
+               for i, span in enumerate(plan.spans) if span.samples}
+    scheduler.update(plan, sampled, {}, 0.001)
+    scheduler.take_outputs().deliver()
+    return plan
+
+
+def test_decode_runs_first_then_prompts_then_media():
+    scheduler = new_scheduler(step_tokens=64, decode_step_prefill=64)
+    asking, streaming = registered(scheduler, 1), registered(scheduler, 2)
+    answer, _ = question(asking, prompt_len=5)
+    streaming.pending.put(frame(8, 0))
+    first = run_step(scheduler)  # the prompt (it samples) and the media
+    assert [s.kind for s in first.spans] == ["prompt", "media"]
+    streaming.pending.put(frame(8, 1))
+    second = run_step(scheduler)
+    assert [s.kind for s in second.spans] == ["decode", "media"]
+    assert second.spans[0].answer is answer
+
+
+def test_a_long_prompt_is_prefilled_in_shares_and_samples_once_at_its_end():
+    scheduler = new_scheduler(step_tokens=16)
+    state = registered(scheduler, 1)
+    answer, events = question(state, prompt_len=40)
+    spans = [run_step(scheduler).spans[0] for _ in range(3)]
+    assert [len(s) for s in spans] == [16, 16, 8]
+    assert [s.samples for s in spans] == [False, False, True]
+    assert answer.prompt_done == 40 and events == [AnswerDelta("<7>")]
+
+
+def test_stop_token_ends_the_answer_frees_its_fork_and_remembers_the_turn():
+    scheduler = new_scheduler()
+    state = registered(scheduler, 1)
+    answer, events = question(state, prompt_len=5, max_tokens=10)
+    run_step(scheduler)  # prompt -> token 7
+    fork = answer.seq_id
+    run_step(scheduler, {fork: EOS})  # decode -> stop
+    assert isinstance(events[-1], AnswerDone) and answer.metrics.finish_reason == "stop"
+    assert fork not in scheduler.cache.sequences and not state.answers
+    remembered = state.pending.head()
+    assert remembered.token_ids.tolist() == [10, 11, 12, 13, 14, 7, EOS]
+    assert bool(remembered.info.protected.all())
+
+
+def test_cancelling_mid_prefill_ends_the_answer_and_frees_its_pages():
+    scheduler = new_scheduler(step_tokens=8)
+    state = registered(scheduler, 1)
+    free = scheduler.cache.pool.free_pages
+    answer, events = question(state, prompt_len=40)
+    run_step(scheduler)
+    assert 0 < answer.prompt_done < 40
+    answer.cancel_requested.set()
+    assert run_step(scheduler).empty
+    assert events[-1] == AnswerDone(answer.metrics) and answer.metrics.finish_reason == "cancelled"
+    assert scheduler.cache.pool.free_pages == free
+    assert answer.seq_id not in scheduler.cache.sequences
