@@ -3,6 +3,7 @@ sample, then commit the cache (or roll it back and find the span that failed).""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -72,7 +73,7 @@ class ModelRunner:
             logits = [self.model(parts[0][0], parts[0][1], self.backend)]
         else:
             streams = self.streams[: len(parts)] if self.streams else None
-            logits = self.model.forward_nano(parts, self.backend, streams)
+            logits = self._forward_nano(parts, streams)
         sampled: dict[int, int] = {}
         for group, part_logits in zip(groups, logits):
             sampling = [i for i in group if plan.spans[i].samples]
@@ -83,6 +84,34 @@ class ModelRunner:
                             [a.generator for a in answers], [a.generated for a in answers])
             sampled.update(zip(sampling, tokens.tolist()))  # one host sync per nano-batch
         return sampled
+
+    def _forward_nano(self, parts: list[tuple[torch.Tensor, BatchMetadata]],
+                      streams: list | None) -> list[torch.Tensor]:
+        """Several nano-batches layer by layer, interleaved (NanoFlow).
+
+        With CUDA `streams` (one per part) each nano-batch's kernels queue on its own stream,
+        so one part's attention (memory-bound) overlaps another's GEMMs (compute-bound). On CPU
+        the parts run in turn and give the same results as separate forward passes.
+        """
+        model = self.model
+        contexts = [_stream_context(streams[i] if streams else None) for i in range(len(parts))]
+        xs = []
+        for (ids, batch), ctx in zip(parts, contexts):
+            with ctx:
+                self.backend.prepare(batch)
+                xs.append(model.embed_tokens(ids, batch))
+        for layer in model.layers:
+            for i, ((_, batch), ctx) in enumerate(zip(parts, contexts)):
+                with ctx:
+                    xs[i] = layer(xs[i], batch, self.backend, model.kernels)
+        outs = []
+        for x, (_, batch), ctx in zip(xs, parts, contexts):
+            with ctx:
+                outs.append(model.logits(x, batch))
+        if streams:
+            for stream in streams:
+                torch.cuda.current_stream().wait_stream(stream)
+        return outs
 
     def split(self, spans: list[Span]) -> list[list[int]]:
         """Indices of spans per nano-batch: decode spans sorted by cache length and cut where
@@ -128,3 +157,7 @@ class ModelRunner:
             batch.embed_rows = torch.cat(rows).to(self.device)
             batch.embed_values = torch.cat(values).to(self.device)
         return ids, batch
+
+
+def _stream_context(stream) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

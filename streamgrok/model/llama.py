@@ -7,8 +7,6 @@ cache, or Triton kernels.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,18 +18,20 @@ from streamgrok.model.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32."""
+    """Root-mean-square layer norm, computed in float32, through `ops` (fused on GPU)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(
-        self, x: torch.Tensor, ops: KernelOps | None = None, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
+        return self.with_residual(x, None, ops)[0]
+
+    def with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ops: KernelOps | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) through `ops` (fused on GPU); without
-        `residual` the second result is x."""
+        """(norm(x + residual), x + residual) in one fused pass."""
         if ops is None:
             return rmsnorm.reference(x, self.weight, self.eps, residual)
         return ops.rms_norm(x, self.weight, self.eps, residual)
@@ -59,6 +59,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(tokens, self.num_heads, self.head_dim)
         k = self.wk(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.wv(x).view(tokens, self.num_kv_heads, self.head_dim)
+        # q and k go unrotated: the backend applies rotary at cache positions
         out = backend.attend(self.layer, q, k, v, batch)
         return self.wo(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -89,8 +90,8 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, batch: BatchMetadata, backend: AttentionBackend, ops: KernelOps
     ) -> torch.Tensor:
-        h, _ = self.attn_norm(x, ops)
-        h, x = self.ffn_norm(self.attn(h, batch, backend), ops, residual=x)
+        h = self.attn_norm(x, ops)
+        h, x = self.ffn_norm.with_residual(self.attn(h, batch, backend), x, ops)
         return x + self.ffn(h)
 
 
@@ -125,52 +126,23 @@ class Transformer(nn.Module):
         `batch.embed_values` instead of their token embedding.
         """
         backend.prepare(batch)
-        x = self._embed(input_ids, batch)
+        x = self.embed_tokens(input_ids, batch)
         for layer in self.layers:
             x = layer(x, batch, backend, self.kernels)
-        return self._logits(x, batch)
+        return self.logits(x, batch)
 
-    def _embed(self, input_ids: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+    def embed_tokens(self, input_ids: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        """Token embeddings, with `batch.embed_values` in the rows `batch.embed_rows`."""
         x = self.embed(input_ids)
         if batch.embed_rows is not None and batch.embed_values is not None:
             x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
         return x
 
-    def _logits(self, x: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        """Final norm and output head on `batch.logit_rows` (all rows when None)."""
         if batch.logit_rows is not None:
             x = x.index_select(0, batch.logit_rows)
-        return self.output(self.norm(x, self.kernels)[0]).float()
-
-    def forward_nano(
-        self,
-        parts: list[tuple[torch.Tensor, BatchMetadata]],
-        backend: AttentionBackend,
-        streams: list | None = None,
-    ) -> list[torch.Tensor]:
-        """Run several nano-batches layer by layer, interleaved (NanoFlow).
-
-        With CUDA `streams` (one per part) each nano-batch's kernels queue on its own stream,
-        so one part's attention (memory-bound) overlaps another's GEMMs (compute-bound). On CPU
-        the parts run in turn and give the same results as separate forward passes.
-        """
-        contexts = [_stream_context(streams[i] if streams else None) for i in range(len(parts))]
-        xs = []
-        for (ids, batch), ctx in zip(parts, contexts):
-            with ctx:
-                backend.prepare(batch)
-                xs.append(self._embed(ids, batch))
-        for layer in self.layers:
-            for i, ((_, batch), ctx) in enumerate(zip(parts, contexts)):
-                with ctx:
-                    xs[i] = layer(xs[i], batch, backend, self.kernels)
-        outs = []
-        for x, (_, batch), ctx in zip(xs, parts, contexts):
-            with ctx:
-                outs.append(self._logits(x, batch))
-        if streams:
-            for stream in streams:
-                torch.cuda.current_stream().wait_stream(stream)
-        return outs
+        return self.output(self.norm(x, self.kernels)).float()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -195,7 +167,3 @@ class Transformer(nn.Module):
         if not self.config.tie_embeddings:
             total -= self.embed.weight.numel() * self.embed.weight.element_size()
         return total
-
-
-def _stream_context(stream) -> contextlib.AbstractContextManager:
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
