@@ -62,6 +62,18 @@ def steady_host_allocator(limit: int = HEAP_LIMIT_BYTES) -> bool:
         libc.mallopt(_M_TRIM_THRESHOLD, 2 * limit))
 
 
+def release_free_memory() -> bool:
+    """Give the C heap's free memory back to the system (glibc malloc_trim), which the
+    steady thresholds above otherwise keep for the next steps: call it when work has left
+    (sessions closed), not between steps. Returns False where the C library is not glibc."""
+    path = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(path) if path else None
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
 def default_threads() -> int:
     """Cores this process may use."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -33,6 +33,7 @@ from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.model.detokenizer import IncrementalDetokenizer
 from streamgrok.model.loader import LoadedModel
 from streamgrok.model.sampling import SamplingParams, new_generator
+from streamgrok.runtime import release_free_memory
 from streamgrok.stream_tokens import TokenInfo
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Engine:
         self._holding = threading.Event()  # the engine thread is staying between steps
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._memory_freed = False  # a session closed since the heap was last trimmed
 
     @property
     def stats(self) -> EngineStats:
@@ -269,6 +271,9 @@ class Engine:
         self._apply_commands()
         plan = self.scheduler.schedule()
         if plan.empty:
+            if self._memory_freed:  # sessions left and nothing runs: give the memory back
+                self._memory_freed = False
+                release_free_memory()
             self._publish()
             self._wakeup.wait(timeout=0.05)
             self._wakeup.clear()
@@ -295,6 +300,7 @@ class Engine:
                 case CloseSession(state, done):
                     self.scheduler.close(state)
                     self._outputs_extra.append(lambda done=done: _resolve(done))
+                    self._memory_freed = True
                 case SessionInfo(state, done):
                     info = self._session_info(state)
                     self._outputs_extra.append(lambda done=done, info=info: _resolve(done, info))
