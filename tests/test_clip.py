@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from streamgrok.media.clip import ClipEncoder, ClipWeightsMissing, EmbeddingDedup
-from streamgrok.media.ingest import Ingest, IngestConfig
 from streamgrok.media.items import FrameTokens, Tick
 from streamgrok.media.projector import Projector
 from streamgrok.media.samples import Scene, photo, write_clip
+from streamgrok.pipeline.ingest import Ingest, IngestConfig
 
 TINY = {
     "embed_dim": 512,

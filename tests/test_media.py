@@ -13,13 +13,13 @@ import torch
 
 from streamgrok.channel import Channel
 from streamgrok.media.decode import ByteFeed, decode_container, decode_image, pcm16_chunk
-from streamgrok.media.ingest import Ingest, IngestConfig
 from streamgrok.media.interleave import Interleaver
 from streamgrok.media.items import AudioChunk, MediaError, Note, VideoFrame
 from streamgrok.media.observers import FrameObserver, dominant_colours
 from streamgrok.media.projector import Projector
 from streamgrok.media.samples import Scene, photo, write_clip
 from streamgrok.media.sampling import PixelDedup, RateSampler
+from streamgrok.pipeline.ingest import Ingest, IngestConfig
 
 SHORT = [Scene("astronaut", 1.5, speech="Hello there, this is a test."),
          Scene("coffee", 1.0), Scene(None, 1.0, moving_square=True)]

@@ -12,7 +12,7 @@ from streamgrok.engine import Engine, EngineConfig
 from streamgrok.media.items import Note
 from streamgrok.media.samples import Scene, write_clip
 from streamgrok.model.loader import load_model
-from streamgrok.pipeline import Edge, Stage, run_chain
+from streamgrok.pipeline import Edge, IngestConfig, Stage, run_chain
 from streamgrok.pipeline.loader import PipelineLoadError, load_pipeline
 from streamgrok.pipeline.pipeline import PipelineRunner
 from streamgrok.pipeline.triggers import At
@@ -172,3 +172,65 @@ def test_parse_time():
     assert parse_time("2.5") == 2.5
     with pytest.raises(ValueError, match="not a time"):
         parse_time("soon")
+
+
+class Pairs(Stage):
+    """Holds items and emits them in pairs; what is left goes out at flush()."""
+
+    name = "pairs"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = []
+
+    async def process(self, item):
+        self.held.append(item)
+        if len(self.held) < 2:
+            return []
+        pair, self.held = tuple(self.held), []
+        return [pair]
+
+    async def flush(self):
+        return [tuple(self.held)] if self.held else []
+
+
+async def test_a_stage_flushes_what_it_holds_when_the_stream_ends():
+    out, _ = await run_chain([Pairs()], [1, 2, 3, 4, 5])
+    assert out == [(1, 2), (3, 4), (5,)]
+
+
+class RedFrames(Stage):
+    """A user stage on the video branch: sees every kept frame (and the watermarks)."""
+
+    name = "red-frames"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames = 0
+
+    async def process(self, item):
+        from streamgrok.media.items import VideoFrame
+
+        if isinstance(item, VideoFrame):
+            self.frames += 1
+            red = float(item.image[..., 0].mean()) > 120
+            return [Note("mostly red" if red else "not red", item.pts, tags={"red"}), item]
+        return None
+
+
+async def test_user_video_stages_see_frames_and_their_notes_reach_the_session(tiny_loaded,
+                                                                               clip):
+    from streamgrok.pipeline.pipeline import Pipeline
+
+    stage = RedFrames()
+    pipeline = Pipeline("video-stage", ingest=IngestConfig(fps=2, transcribe=False),
+                        video_stages=[stage])
+    sink = Collect()
+    async with Engine(tiny_loaded, CacheConfig(budget_tokens=1024, memory_gib=0.05),
+                      EngineConfig(merge_window_s=0)) as engine:
+        stats = await PipelineRunner(pipeline, engine, [sink]).run(str(clip))
+    notes = [e for e in sink.events if e.kind == "note" and "red" in e.tags]
+    assert stage.frames > 0 and len(notes) == stage.frames
+    assert stats.notes > len(notes)  # the observers' notes came too
+    pts = [e.pts for e in sink.events if e.kind == "note"]
+    assert pts == sorted(pts)  # the merge keeps them in stream order

@@ -15,11 +15,11 @@ import torch
 
 from streamgrok.media.clip import ClipEncoder, ClipWeightsMissing
 from streamgrok.media.decode import decode_container
-from streamgrok.media.ingest import Ingest, IngestConfig
 from streamgrok.media.items import VideoFrame
 from streamgrok.media.projector import Projector
 from streamgrok.media.samples import DEMO_SCENES, Scene, write_clip
 from streamgrok.media.sampling import PixelDedup, RateSampler
+from streamgrok.pipeline.ingest import Ingest, IngestConfig
 
 STATIC = [Scene("coffee", 20.0)]
 BUSY = [Scene(name, 2.0, moving_square=True) for name in

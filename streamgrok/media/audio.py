@@ -127,6 +127,11 @@ class AudioObserver:
 
     def _note(self, segment: SpeechSegment) -> Note:
         text = self.transcriber.transcribe(segment.samples, RATE) if self.transcriber else ""
-        words = f'speech: "{text}"' if text else "speech"
-        return Note(f"{words} ({segment.end - segment.start:.1f} s)", segment.start,
-                    modality=Modality.AUDIO, tags={"speech"})
+        return speech_note(segment, text)
+
+
+def speech_note(segment: SpeechSegment, text: str) -> Note:
+    """The note a speech segment becomes: its transcript, or "speech" when none."""
+    words = f'speech: "{text}"' if text else "speech"
+    return Note(f"{words} ({segment.end - segment.start:.1f} s)", segment.start,
+                modality=Modality.AUDIO, tags={"speech"})

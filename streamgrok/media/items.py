@@ -62,6 +62,14 @@ class FrameTokens:
 
 
 @dataclass(eq=False)
+class Watermark:
+    """Nothing earlier than `pts` will come on this branch any more (a frame was dropped,
+    audio was heard up to `pts`): lets the merge release what other branches produced."""
+
+    pts: float
+
+
+@dataclass(eq=False)
 class Tick:
     """Stream time passing: emitted while frames are skipped or static, so time triggers
     downstream follow the stream even when nothing else is produced."""

@@ -4,8 +4,8 @@ A pipeline file defines `build_pipeline(options) -> Pipeline`; see pipelines/ fo
 """
 
 from streamgrok.channel import Channel
-from streamgrok.media.ingest import IngestConfig
 from streamgrok.pipeline.events import Event
+from streamgrok.pipeline.ingest import IngestConfig
 from streamgrok.pipeline.options import ClientOption, frame_encoders, option
 from streamgrok.pipeline.pipeline import DEFAULT_SYSTEM, Pipeline, PipelineRunner
 from streamgrok.pipeline.stage import Edge, Stage, run_chain

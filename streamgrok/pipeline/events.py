@@ -1,4 +1,10 @@
-"""Events a pipeline emits to its sinks (stdout, JSON lines, a websocket)."""
+"""Events a pipeline emits to its sinks (stdout, JSON lines, a websocket), one type each.
+
+Sinks dispatch with `match`. Answer events carry the answer's id and the caller's
+`query_id` (a websocket client's query id; None when a trigger asked). Every event has a
+`kind` string ("note", "answer.delta", "alert.done", ...) and `as_dict()` for JSON output.
+User stages report their own events with the generic `Event`.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +14,10 @@ from typing import Any
 from streamgrok.media.items import format_time
 
 
-@dataclass
-class Event:
-    """Something worth telling the user: a note, an answer delta, an alert, an error, stats.
-
-    kinds: "note", "answer.delta", "answer.done", "alert", "error", "progress", "stats".
-    """
-
+class _Line:
     kind: str
-    text: str = ""
-    pts: float | None = None
-    data: dict[str, Any] = field(default_factory=dict)
+    text: str
+    pts: float | None
 
     def line(self) -> str:
         """A human-readable line with the stream time."""
@@ -26,4 +25,91 @@ class Event:
         return f"{stamp}{self.kind}: {self.text}"
 
     def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **asdict(self)}
+
+
+@dataclass
+class Event(_Line):
+    """A generic event (user stages, progress): its own `kind`, text and data."""
+
+    kind: str
+    text: str = ""
+    pts: float | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class NoteEvent(_Line):
+    """An observation or transcript that joined the session's context."""
+
+    text: str
+    pts: float | None
+    tags: list[str] = field(default_factory=list)
+    kind = "note"
+
+
+@dataclass
+class QuestionEvent(_Line):
+    """A question was asked: `purpose` is "answer" for a caller's query, or the trigger's
+    kind ("alert", "commentary", ...)."""
+
+    purpose: str
+    answer_id: int
+    text: str
+    pts: float | None
+    query_id: Any = None
+
+    @property
+    def kind(self) -> str:
+        return f"{self.purpose}.question"
+
+
+@dataclass
+class DeltaEvent(_Line):
+    """New text of an answer."""
+
+    purpose: str
+    answer_id: int
+    text: str
+    pts: float | None
+    query_id: Any = None
+
+    @property
+    def kind(self) -> str:
+        return f"{self.purpose}.delta"
+
+
+@dataclass
+class DoneEvent(_Line):
+    """An answer finished: its whole text, its question and its metrics."""
+
+    purpose: str
+    answer_id: int
+    text: str
+    pts: float | None
+    question: str
+    metrics: dict[str, Any]
+    query_id: Any = None
+
+    @property
+    def kind(self) -> str:
+        return f"{self.purpose}.done"
+
+
+@dataclass
+class ErrorEvent(_Line):
+    """Something failed: media (`stage` decode/observe), a stage, a trigger, or one answer
+    (`answer_id` set, then no DoneEvent follows for it)."""
+
+    text: str
+    pts: float | None
+    stage: str = ""
+    answer_id: int | None = None
+    query_id: Any = None
+    kind = "error"
+
+
+PipelineEvent = NoteEvent | QuestionEvent | DeltaEvent | DoneEvent | ErrorEvent | Event

@@ -16,11 +16,18 @@ from streamgrok.engine import Engine
 from streamgrok.engine.session import Answer, Session
 from streamgrok.errors import StreamgrokError
 from streamgrok.media.clip import ClipEncoder
-from streamgrok.media.ingest import Ingest, IngestConfig
 from streamgrok.media.items import FrameTokens, MediaError, Note
 from streamgrok.media.projector import Projector
 from streamgrok.model.sampling import SamplingParams
-from streamgrok.pipeline.events import Event
+from streamgrok.pipeline.events import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    NoteEvent,
+    PipelineEvent,
+    QuestionEvent,
+)
+from streamgrok.pipeline.ingest import Ingest, IngestConfig
 from streamgrok.pipeline.options import DEFAULT_CLIENT_OPTIONS, ClientOption
 from streamgrok.pipeline.resources import SharedResources
 from streamgrok.pipeline.stage import Stage, start_chain
@@ -33,7 +40,7 @@ DEFAULT_SYSTEM = (
 
 
 class Sink(Protocol):
-    async def send(self, event: Event) -> None: ...
+    async def send(self, event: PipelineEvent) -> None: ...
 
 
 @dataclass
@@ -43,7 +50,8 @@ class Pipeline:
     name: str
     ingest: IngestConfig = field(default_factory=IngestConfig)
     system_prompt: str = DEFAULT_SYSTEM
-    stages: list[Stage] = field(default_factory=list)
+    stages: list[Stage] = field(default_factory=list)  # after the merge: notes, tokens, errors
+    video_stages: list[Stage] = field(default_factory=list)  # on the video branch: frames
     triggers: list[Trigger] = field(default_factory=list)
     sampling: SamplingParams = field(
         default_factory=lambda: SamplingParams(max_tokens=64, repetition_penalty=1.3)
@@ -80,7 +88,7 @@ class PipelineRunner:
         self.ingest: Ingest | None = None
         self._answers: list[asyncio.Task] = []
 
-    async def send(self, event: Event) -> None:
+    async def send(self, event: PipelineEvent) -> None:
         for sink in self.sinks:
             await sink.send(event)
 
@@ -100,11 +108,13 @@ class PipelineRunner:
             if shared is not None and config.audio and config.transcribe:
                 transcriber = shared.transcriber()
             self.ingest = Ingest(config, self.pipeline.clip, self.pipeline.projector,
-                                 transcriber, shared.media_pool if shared else None)
+                                 transcriber, shared.media_pool if shared else None,
+                                 self.pipeline.video_stages)
 
-    def ask(self, question: str, kind: str = "answer") -> Answer:
-        """Ask the session now (a client's query); the answer streams to the sinks."""
-        return self._ask(question, kind)
+    def ask(self, question: str, kind: str = "answer", query_id: Any = None) -> Answer:
+        """Ask the session now (a client's query); the answer streams to the sinks as
+        typed events tagged with `query_id`."""
+        return self._ask(question, kind, query_id=query_id)
 
     def _fire(self, question: str, kind: str, pts: float | None = None) -> None:
         """A trigger's question: one the session refuses becomes an error event, and the
@@ -113,9 +123,9 @@ class PipelineRunner:
             self._ask(question, kind, pts)
         except StreamgrokError as exc:
             self.stats.errors += 1
-            self._answers.append(asyncio.create_task(self.send(Event(
-                "error", f"{kind} question refused: {exc}", pts or self.stats.stream_time,
-                {"stage": "trigger"}))))
+            self._answers.append(asyncio.create_task(self.send(ErrorEvent(
+                f"{kind} question refused: {exc}", pts or self.stats.stream_time,
+                stage="trigger"))))
 
     async def run_items(self, items: AsyncIterator[Any],
                         asks: list[Trigger] | None = None) -> RunStats:
@@ -169,15 +179,15 @@ class PipelineRunner:
             self.stats.notes += 1
             await session.append_message(item.stamped(), modality=item.modality,
                                          timestamp=item.pts, source=item.source)
-            await self.send(Event("note", item.text, item.pts, {"tags": sorted(item.tags)}))
+            await self.send(NoteEvent(item.text, item.pts, sorted(item.tags)))
             for trigger in triggers:
                 question = trigger.on_note(item)
                 if question:
                     self._fire(question, trigger.kind, item.pts)
         elif isinstance(item, MediaError):
             self.stats.errors += 1
-            await self.send(Event("error", item.message, item.pts, {"stage": item.stage}))
-        elif isinstance(item, Event):
+            await self.send(ErrorEvent(item.message, item.pts, stage=item.stage))
+        elif isinstance(item, PipelineEvent):
             await self.send(item)
         self._check_time(triggers)
 
@@ -187,28 +197,30 @@ class PipelineRunner:
             if question:
                 self._fire(question, trigger.kind)
 
-    def _ask(self, question: str, kind: str, pts: float | None = None) -> Answer:
+    def _ask(self, question: str, kind: str, pts: float | None = None,
+             query_id: Any = None) -> Answer:
         answer = self.session.ask(question, self.pipeline.sampling)
         when = self.stats.stream_time if pts is None else pts
-        self._answers.append(asyncio.create_task(self._stream_answer(answer, question, kind,
-                                                                     when)))
+        self._answers.append(asyncio.create_task(
+            self._stream_answer(answer, question, kind, when, query_id)))
         return answer
 
     async def _stream_answer(self, answer: Answer, question: str, kind: str,
-                             pts: float) -> None:
-        await self.send(Event(f"{kind}.question", question, pts, {"id": answer.id}))
+                             pts: float, query_id: Any) -> None:
+        await self.send(QuestionEvent(kind, answer.id, question, pts, query_id))
         parts = []
         try:
             async for delta in answer:
                 parts.append(delta)
-                await self.send(Event(f"{kind}.delta", delta, pts, {"id": answer.id}))
+                await self.send(DeltaEvent(kind, answer.id, delta, pts, query_id))
         except Exception as exc:
-            await self.send(Event("error", f"answer failed: {exc}", pts, {"id": answer.id}))
+            await self.send(ErrorEvent(f"answer failed: {exc}", pts, stage="answer",
+                                       answer_id=answer.id, query_id=query_id))
             return
         metrics = answer.metrics.as_dict()
         self.stats.answers.append({"question": question, "answer": "".join(parts), **metrics})
-        await self.send(Event(f"{kind}.done", "".join(parts), pts,
-                              {"id": answer.id, "question": question, **metrics}))
+        await self.send(DoneEvent(kind, answer.id, "".join(parts), pts, question, metrics,
+                                  query_id))
 
     def progress_info(self) -> dict:
         ingest = self.ingest.stats if self.ingest else None

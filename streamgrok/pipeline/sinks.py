@@ -7,7 +7,13 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from streamgrok.pipeline.events import Event
+from streamgrok.pipeline.events import (
+    DeltaEvent,
+    DoneEvent,
+    NoteEvent,
+    PipelineEvent,
+    QuestionEvent,
+)
 
 
 class StdoutSink:
@@ -22,40 +28,41 @@ class StdoutSink:
         self.notes = notes
         self._live: int | None = None
         self._line_open = False
-        self._waiting: dict[int, list[Event]] = {}
+        self._waiting: dict[int, list[DeltaEvent | DoneEvent]] = {}
 
-    async def send(self, event: Event) -> None:
-        kind = event.kind
-        answer = event.data.get("id")
-        if kind.endswith((".delta", ".done")):
-            if self._live is None:
-                self._live = answer
-            if answer != self._live:
-                self._waiting.setdefault(answer, []).append(event)
-                return
-            self._show_answer_event(event)
-            if kind.endswith(".done"):
-                self._next_live()
-        elif kind.endswith(".question"):
-            self._end_line()
-            label = "ALERT" if kind.startswith("alert") else "Q"
-            self._write(event.line().replace(f"{kind}:", f"{label}:") + "\n")
-        elif kind != "note" or self.notes:
-            self._end_line()
-            self._write(event.line() + "\n")
+    async def send(self, event: PipelineEvent) -> None:
+        match event:
+            case DeltaEvent() | DoneEvent():
+                if self._live is None:
+                    self._live = event.answer_id
+                if event.answer_id != self._live:
+                    self._waiting.setdefault(event.answer_id, []).append(event)
+                    return
+                self._show_answer_event(event)
+                if isinstance(event, DoneEvent):
+                    self._next_live()
+            case QuestionEvent():
+                self._end_line()
+                label = "ALERT" if event.purpose == "alert" else "Q"
+                self._write(event.line().replace(f"{event.kind}:", f"{label}:") + "\n")
+            case NoteEvent() if not self.notes:
+                pass
+            case _:
+                self._end_line()
+                self._write(event.line() + "\n")
         self.stream.flush()
 
-    def _show_answer_event(self, event: Event) -> None:
-        if event.kind.endswith(".delta"):
+    def _show_answer_event(self, event: DeltaEvent | DoneEvent) -> None:
+        if isinstance(event, DeltaEvent):
             if not self._line_open:
-                self._write(f"  > #{event.data.get('id')} ")
+                self._write(f"  > #{event.answer_id} ")
                 self._line_open = True
             self._write(event.text)
             return
         self._end_line()
-        data = event.data
-        self._write(f"  (#{data.get('id')}: {data.get('tokens')} tokens, TTFT "
-                    f"{data.get('ttft_ms')} ms, {data.get('tbt_ms_mean')} ms/token)\n")
+        metrics = event.metrics
+        self._write(f"  (#{event.answer_id}: {metrics.get('tokens')} tokens, TTFT "
+                    f"{metrics.get('ttft_ms')} ms, {metrics.get('tbt_ms_mean')} ms/token)\n")
 
     def _next_live(self) -> None:
         self._live = None
@@ -65,7 +72,7 @@ class StdoutSink:
             self._live = answer
             for event in events:
                 self._show_answer_event(event)
-            if not events[-1].kind.endswith(".done"):
+            if not isinstance(events[-1], DoneEvent):
                 return  # it goes on streaming live
             self._live = None
 
@@ -84,7 +91,7 @@ class JsonLinesSink:
     def __init__(self, path: str | Path) -> None:
         self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
-    async def send(self, event: Event) -> None:
+    async def send(self, event: PipelineEvent) -> None:
         self.file.write(json.dumps(event.as_dict(), default=str) + "\n")
         self.file.flush()
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamgrok.channel import Channel
-from streamgrok.pipeline.events import Event
+from streamgrok.pipeline.events import ErrorEvent, PipelineEvent
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Stage:
     edge = Edge()
 
     def __init__(self) -> None:
-        self.report: Callable[[Event], Awaitable[None]] | None = None
+        self.report: Callable[[PipelineEvent], Awaitable[None]] | None = None
 
     async def process(self, item: Any) -> list[Any] | None:
         """Handle one item; None passes it on."""
@@ -43,16 +43,21 @@ class Stage:
     async def start(self) -> None:
         """Called once before the first item."""
 
+    async def flush(self) -> list[Any]:
+        """Called once after the last item: what the stage still holds (a speech segment in
+        progress, a batch) goes on downstream."""
+        return []
+
     async def stop(self) -> None:
         """Called once after the last item."""
 
-    async def emit_event(self, event: Event) -> None:
+    async def emit_event(self, event: PipelineEvent) -> None:
         if self.report is not None:
             await self.report(event)
 
 
 async def run_stage(stage: Stage, inbox: Channel, outbox: Channel,
-                    report: Callable[[Event], Awaitable[None]]) -> None:
+                    report: Callable[[PipelineEvent], Awaitable[None]]) -> None:
     """Move items from inbox through `stage` to outbox until the inbox closes."""
     stage.report = report
     await stage.start()
@@ -64,18 +69,20 @@ async def run_stage(stage: Stage, inbox: Channel, outbox: Channel,
                 raise
             except Exception as exc:
                 log.exception("stage %s failed", stage.name)
-                await report(Event("error", f"{stage.name}: {exc}",
-                                   getattr(item, "pts", None), {"stage": stage.name}))
+                await report(ErrorEvent(f"{stage.name}: {exc}", getattr(item, "pts", None),
+                                        stage=stage.name))
                 produced = None  # the item goes on; one bad item does not stop the stream
             for out in [item] if produced is None else produced:
                 await outbox.put(out)
+        for out in await stage.flush():
+            await outbox.put(out)
     finally:
         await stage.stop()
         outbox.close()
 
 
 def start_chain(
-    stages: list[Stage], report: Callable[[Event], Awaitable[None]], sink: str = "sink",
+    stages: list[Stage], report: Callable[[PipelineEvent], Awaitable[None]], sink: str = "sink",
     source: Channel | None = None,
 ) -> tuple[list[Channel], list[asyncio.Task]]:
     """Channels (one in front of each stage, its edge; then the sink's) and the running stage
@@ -90,11 +97,11 @@ def start_chain(
 
 
 async def run_chain(stages: list[Stage], items: list[Any] | None = None,
-                    source: Channel | None = None) -> tuple[list[Any], list[Event]]:
+                    source: Channel | None = None) -> tuple[list[Any], list[PipelineEvent]]:
     """Test harness: run stages between a fake source (items) and a collecting sink."""
-    events: list[Event] = []
+    events: list[PipelineEvent] = []
 
-    async def report(event: Event) -> None:
+    async def report(event: PipelineEvent) -> None:
         events.append(event)
 
     channels, tasks = start_chain(stages, report, source=source)

@@ -16,7 +16,15 @@ from streamgrok.media.container_process import ContainerProcess
 from streamgrok.media.decode import container_kind, pcm16_chunk
 from streamgrok.media.items import AudioChunk, VideoFrame
 from streamgrok.media.native_pool import MediaWorkerError
-from streamgrok.pipeline.events import Event
+from streamgrok.pipeline.events import (
+    DeltaEvent,
+    DoneEvent,
+    ErrorEvent,
+    Event,
+    NoteEvent,
+    PipelineEvent,
+    QuestionEvent,
+)
 from streamgrok.pipeline.options import OptionError
 from streamgrok.pipeline.pipeline import PipelineRunner
 from streamgrok.server.protocol import ProtocolError, event, parse_binary, parse_text
@@ -39,7 +47,6 @@ class ClientConnection:
         self.video_in = self.audio_in = None
         self.container: ContainerProcess | None = None  # a pushed video.chunk stream
         self.tasks: list[asyncio.Task] = []
-        self.queries: dict[int, Any] = {}  # answer id -> client query id
         self.answers: dict[Any, Any] = {}  # client query id -> Answer
         self.frame_index = 0
         self.media_times: deque[float] = deque()
@@ -167,8 +174,7 @@ class ClientConnection:
                                 f"{self.config.max_inflight_queries})", message.get("id"))
         query_id = message.get("id") or f"q{len(self.answers) + 1}"
         self._check_text_size(message)
-        answer = self.runner.ask(message["text"])
-        self.queries[answer.id] = query_id
+        answer = self.runner.ask(message["text"], query_id=query_id)
         self.answers[query_id] = answer
 
     def _check_text_size(self, message: dict) -> None:
@@ -248,29 +254,32 @@ class ClientConnection:
         """Queue a server message for this client."""
         self._queue(message_type, event(message_type, **fields))
 
-    async def deliver(self, item: Event) -> None:
-        """The pipeline's sink: translate pipeline events into protocol messages."""
-        kind = item.kind
-        answer_id = item.data.get("id")
-        query_id = self.queries.get(answer_id, f"auto-{answer_id}")
-        if kind.endswith(".question"):
-            if answer_id not in self.queries:  # a trigger asked: tell the client
-                self.send("event", kind=kind.split(".")[0], text=item.text, t=item.pts,
-                          query_id=query_id)
-        elif kind.endswith(".delta"):
-            self.send("response.delta", query_id=query_id, delta=item.text)
-        elif kind.endswith(".done"):
-            metrics = {k: v for k, v in item.data.items() if k not in ("id", "question")}
-            self.server.metrics.observe_answer(metrics)
-            self.send("response.done", query_id=query_id, text=item.text, **metrics)
-        elif kind == "error" and answer_id is not None:  # that answer failed, nothing else
-            self.error("answer_failed", item.text, query_id, query_id=query_id)
-            self.send("response.done", query_id=query_id, text="", finish_reason="error")
-        elif kind == "error":
-            code = "bad_media" if item.data.get("stage") in ("decode", "observe") else "pipeline"
-            self.error(code, item.text)
-        else:
-            self.send("event", kind=kind, text=item.text, t=item.pts, **item.data)
+    async def deliver(self, item: PipelineEvent) -> None:
+        """The pipeline's sink: typed pipeline events become protocol messages. A trigger's
+        answer streams with query_id `auto-N`."""
+        match item:
+            case QuestionEvent(query_id=None):  # a trigger asked: tell the client
+                self.send("event", kind=item.purpose, text=item.text, t=item.pts,
+                          query_id=f"auto-{item.answer_id}")
+            case QuestionEvent():
+                pass  # the client knows what it asked
+            case DeltaEvent():
+                self.send("response.delta", query_id=_query_id(item), delta=item.text)
+            case DoneEvent():
+                self.server.metrics.observe_answer(item.metrics)
+                self.send("response.done", query_id=_query_id(item), text=item.text,
+                          **item.metrics)
+            case ErrorEvent(answer_id=int()):  # that answer failed, nothing else
+                query_id = _query_id(item)
+                self.error("answer_failed", item.text, query_id, query_id=query_id)
+                self.send("response.done", query_id=query_id, text="", finish_reason="error")
+            case ErrorEvent():
+                media = item.stage in ("decode", "observe")
+                self.error("bad_media" if media else "pipeline", item.text)
+            case NoteEvent():
+                self.send("event", kind="note", text=item.text, t=item.pts, tags=item.tags)
+            case Event():
+                self.send("event", kind=item.kind, text=item.text, t=item.pts, **item.data)
 
     def _queue(self, kind: str, text: str) -> None:
         if self.closed:
@@ -345,6 +354,10 @@ class ClientConnection:
             await runner.session.close()
         self.server.active_sessions -= 1
         self.server.metrics.sessions.set(self.server.active_sessions)
+
+
+def _query_id(event: DeltaEvent | DoneEvent | ErrorEvent) -> Any:
+    return event.query_id if event.query_id is not None else f"auto-{event.answer_id}"
 
 
 class _Sink:

@@ -1,8 +1,8 @@
-"""Media ingest as async stages joined by bounded channels, one ordered stream out.
+"""Media ingest as stages joined by bounded channels (ingest_stages.py), one ordered stream out.
 
-    decoder thread ─► video channel ─► sample, pixel dedup, observers, CLIP ─┐
-    (PyAV)            (drop-oldest live, block for files)                   ├─► interleave ─► out
-                    └► audio channel ─► VAD, transcript ───────────────────┘
+  decoder ─► video channel ─► sample ─► dedup ─► (user video stages) ─► observe ─► encode ─┐
+  (PyAV)     (drop-oldest live, block for files)                                          ├─► merge
+         └─► audio channel ─► detect speech ─► transcribe ──────────────────────────────┘
 
 Live sources are paced in real time and drop the oldest waiting frames when a stage falls
 behind; file sources block instead, so nothing is lost. Audio and text are never dropped.
@@ -18,20 +18,24 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-import cv2
-
 from streamgrok.channel import Channel, ChannelClosed
-from streamgrok.errors import StreamgrokError
-from streamgrok.media.audio import AudioObserver, PocketSphinxTranscriber, Transcriber
-from streamgrok.media.clip import ClipEncoder, EmbeddingDedup
+from streamgrok.media.audio import PocketSphinxTranscriber, Transcriber
+from streamgrok.media.clip import ClipEncoder
 from streamgrok.media.decode import decode_container
 from streamgrok.media.interleave import Interleaver
-from streamgrok.media.items import AudioChunk, FrameTokens, MediaError, Note, Tick, VideoFrame
+from streamgrok.media.items import AudioChunk, FrameTokens, MediaError, Note, Tick, Watermark
 from streamgrok.media.observers import FrameDetectors, FrameObserver
 from streamgrok.media.projector import Projector
-from streamgrok.media.sampling import PixelDedup, RateSampler
-
-TICK_SECONDS = 0.5
+from streamgrok.pipeline.events import PipelineEvent
+from streamgrok.pipeline.ingest_stages import (
+    DetectSpeech,
+    DropDuplicateFrames,
+    EncodeFrames,
+    ObserveFrames,
+    SampleFrames,
+    Transcribe,
+)
+from streamgrok.pipeline.stage import Stage, start_chain
 
 
 @dataclass
@@ -85,19 +89,33 @@ class Ingest:
         projector: Projector | None = None,
         transcriber: Transcriber | None = None,
         detectors: FrameDetectors | None = None,
+        video_stages: list[Stage] | None = None,
     ) -> None:
         self.config = config or IngestConfig()
         self.clip = clip
         self.projector = projector
         if clip is not None and projector is None:
             raise ValueError("CLIP frame tokens need a projector to the language model")
-        self.observer = FrameObserver(detectors) if self.config.observers else None
-        self.audio = None
-        if self.config.audio:
-            if transcriber is None and self.config.transcribe:
-                transcriber = PocketSphinxTranscriber()
-            self.audio = AudioObserver(transcriber)
+        self.detectors = detectors
+        if self.config.audio and transcriber is None and self.config.transcribe:
+            transcriber = PocketSphinxTranscriber()
+        self.transcriber = transcriber if self.config.transcribe else None
+        self.video_stages = list(video_stages or [])
         self.stats = IngestStats()
+
+    def stages(self) -> tuple[list[Stage], list[Stage]]:
+        """Fresh (video, audio) branch stages for one run."""
+        config, stats = self.config, self.stats
+        video: list[Stage] = [SampleFrames(config.fps, stats),
+                              DropDuplicateFrames(config.dedup_threshold, stats),
+                              *self.video_stages]
+        if config.observers:
+            video.append(ObserveFrames(FrameObserver(self.detectors), stats))
+        video.append(EncodeFrames(self.clip, self.projector, config.embedding_dedup, stats))
+        audio: list[Stage] = []
+        if config.audio:
+            audio = [DetectSpeech(stats), Transcribe(self.transcriber, stats)]
+        return video, audio
 
     async def run(
         self, source: str | BinaryIO, container_format: str | None = None
@@ -154,86 +172,18 @@ class Ingest:
         self, video_in: Channel, audio_in: Channel
     ) -> AsyncIterator[FrameTokens | Note | MediaError | Tick]:
         """Run the stages on items pushed into the input channels until both close."""
+        video, audio = self.stages()
+        report = _Reports()
+        video_chain, video_tasks = start_chain(video, report, "video-out", source=video_in)
+        audio_chain, audio_tasks = start_chain(audio, report, "audio-out", source=audio_in)
         out: Channel = Channel(64, "block", "ingest-out")
         # live: an input silent for 2 s of stream time (no microphone) must not stall the rest;
         # files: strict order
         merger = Interleaver(["video", "audio"],
                              max_delay=2.0 if self.config.live else float("inf"))
-
-        async def release() -> None:
-            for ready in merger.ready():
-                await out.put(ready)
-
-        async def emit(name: str, pts: float, item) -> None:
-            merger.push(name, pts, item)
-            await release()
-
-        async def advance(name: str, pts: float) -> None:
-            merger.advance(name, pts)
-            await release()
-
-        async def finish(name: str) -> None:
-            merger.close(name)
-            await release()
-
-        async def video_stage() -> None:
-            sampler = RateSampler(self.config.fps)
-            dedup = PixelDedup(self.config.dedup_threshold)
-            embed_dedup = EmbeddingDedup(self.config.embedding_dedup)
-            last_tick = float("-inf")
-            async for item in video_in:
-                if isinstance(item, VideoFrame) and item.pts - last_tick >= TICK_SECONDS:
-                    last_tick = item.pts
-                    await emit("video", item.pts, Tick(item.pts))
-                if isinstance(item, MediaError):
-                    self.stats.errors += 1
-                    await emit("video", item.pts or self.stats.stream_time, item)
-                    continue
-                self.stats.decoded_frames += 1
-                self.stats.stream_time = max(self.stats.stream_time, item.pts)
-                if not sampler.keep(item):
-                    await advance("video", item.pts)
-                    continue
-                self.stats.sampled_frames += 1
-                if not dedup.keep(item):
-                    self.stats.pixel_dropped += 1
-                    await advance("video", item.pts)
-                    continue
-                self.stats.kept_frames += 1
-                try:
-                    produced = await asyncio.to_thread(self._process_frame, item, embed_dedup)
-                except (StreamgrokError, ValueError, cv2.error) as exc:  # that frame only
-                    self.stats.errors += 1
-                    produced = [MediaError(f"frame at {item.pts:.2f}s dropped: {exc}",
-                                           pts=item.pts, stage="observe")]
-                for one in produced:
-                    await emit("video", item.pts, one)
-                await advance("video", item.pts)
-            self.stats.queue_dropped += video_in.stats.dropped
-            await finish("video")
-
-        async def audio_stage() -> None:
-            async for chunk in audio_in:
-                if self.audio is None:
-                    continue
-                self.stats.audio_seconds += chunk.duration
-                for note in await asyncio.to_thread(self.audio.feed, chunk):
-                    self.stats.notes += 1
-                    await emit("audio", note.pts, note)
-                await advance("audio", self.audio.watermark(chunk.pts + chunk.duration))
-            if self.audio is not None:
-                for note in self.audio.flush():
-                    self.stats.notes += 1
-                    await emit("audio", note.pts, note)
-            await finish("audio")
-
-        async def run_all() -> None:
-            try:
-                await asyncio.gather(video_stage(), audio_stage())
-            finally:
-                out.close()
-
-        runner = asyncio.create_task(run_all())
+        merging = asyncio.create_task(self._merge(merger, video_chain[-1], audio_chain[-1],
+                                                  report, out, video_in))
+        tasks = [*video_tasks, *audio_tasks, merging]
         try:
             async for item in out:
                 yield item
@@ -241,7 +191,33 @@ class Ingest:
             video_in.close()
             audio_in.close()
             out.close()
-            await asyncio.gather(runner, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.stats.queue_dropped = video_in.stats.dropped  # drops after the last item
+
+    async def _merge(self, merger: Interleaver, video: Channel, audio: Channel,
+                     report: _Reports, out: Channel, video_in: Channel) -> None:
+        """Both branches into one stream in timestamp order (watermarks release items)."""
+        async def branch(name: str, channel: Channel) -> None:
+            async for item in channel:
+                self.stats.queue_dropped = video_in.stats.dropped
+                if isinstance(item, Watermark):
+                    merger.advance(name, item.pts)
+                elif isinstance(item, MediaError):
+                    merger.push(name, item.pts or self.stats.stream_time, item)
+                else:
+                    merger.push(name, item.pts, item)
+                for ready in [*report.take(), *merger.ready()]:
+                    await out.put(ready)
+            merger.close(name)
+            for ready in [*report.take(), *merger.ready()]:
+                await out.put(ready)
+
+        try:
+            await asyncio.gather(branch("video", video), branch("audio", audio))
+        finally:
+            out.close()
 
     def _paced(self, items: Iterator, stop: threading.Event) -> Iterator:
         """In live mode, release items no earlier than their presentation time."""
@@ -257,21 +233,20 @@ class Ingest:
                     time.sleep(delay)
             yield item
 
-    def _process_frame(self, frame: VideoFrame, embed_dedup: EmbeddingDedup) -> list:
-        produced: list = []
-        if self.observer is not None:
-            note = self.observer.observe(frame)
-            if note is not None:
-                self.stats.notes += 1
-                produced.append(note)
-        if self.clip is not None and self.projector is not None:
-            embedding = self.clip.encode([frame.image])[0]
-            if embed_dedup.keep(embedding, frame.scene_cut):
-                vectors = self.projector(embedding[None])[0]
-                produced.append(FrameTokens(vectors, frame.pts, frame.index, embedding))
-            else:
-                self.stats.embedding_dropped += 1
-        return produced
+
+
+class _Reports:
+    """Errors the stages report (a stage that raised): they join the ingest stream."""
+
+    def __init__(self) -> None:
+        self.items: list[MediaError] = []
+
+    async def __call__(self, event: PipelineEvent) -> None:
+        self.items.append(MediaError(event.text, pts=event.pts, stage="stage"))
+
+    def take(self) -> list[MediaError]:
+        items, self.items = self.items, []
+        return items
 
 
 def describe(item: FrameTokens | Note | MediaError | Tick) -> str:

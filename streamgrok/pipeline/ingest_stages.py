@@ -1,0 +1,210 @@
+"""The built-in ingest stages, on the same `Stage` contract user stages use.
+
+Video branch: SampleFrames -> DropDuplicateFrames -> (user video stages) -> ObserveFrames ->
+EncodeFrames. Audio branch: DetectSpeech -> Transcribe. A frame a stage drops becomes a
+`Watermark` (nothing earlier follows on this branch), so the merge never waits for it; the
+last video stage turns every remaining frame into frame tokens or a watermark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import cv2
+
+from streamgrok.errors import StreamgrokError
+from streamgrok.media.audio import (
+    RATE,
+    SpeechDetector,
+    SpeechSegment,
+    Transcriber,
+    speech_note,
+)
+from streamgrok.media.clip import ClipEncoder, EmbeddingDedup
+from streamgrok.media.items import (
+    AudioChunk,
+    FrameTokens,
+    MediaError,
+    Tick,
+    VideoFrame,
+    Watermark,
+)
+from streamgrok.media.observers import FrameObserver
+from streamgrok.media.projector import Projector
+from streamgrok.media.sampling import PixelDedup, RateSampler
+from streamgrok.pipeline.stage import Edge, Stage
+
+if TYPE_CHECKING:
+    from streamgrok.pipeline.ingest import IngestStats
+
+TICK_SECONDS = 0.5
+INNER_EDGE = Edge(capacity=4, policy="block")  # between built-in stages: the input drops
+
+
+@dataclass
+class SampleFrames(Stage):
+    """Keeps at most `fps` frames a second of stream time; a Tick every half second."""
+
+    fps: float
+    stats: IngestStats
+    name = "sample"
+    edge = INNER_EDGE
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.sampler = RateSampler(self.fps)
+        self.last_tick = float("-inf")
+
+    async def process(self, item: Any) -> list[Any] | None:
+        if isinstance(item, MediaError):
+            self.stats.errors += 1
+            return None
+        if not isinstance(item, VideoFrame):
+            return None
+        out: list[Any] = []
+        if item.pts - self.last_tick >= TICK_SECONDS:
+            self.last_tick = item.pts
+            out.append(Tick(item.pts))
+        self.stats.decoded_frames += 1
+        self.stats.stream_time = max(self.stats.stream_time, item.pts)
+        if not self.sampler.keep(item):
+            return [*out, Watermark(item.pts)]
+        self.stats.sampled_frames += 1
+        return [*out, item]
+
+
+@dataclass
+class DropDuplicateFrames(Stage):
+    """Drops frames that barely differ from the last kept one (64x64 pixel difference); marks
+    scene cuts."""
+
+    threshold: float
+    stats: IngestStats
+    name = "dedup"
+    edge = INNER_EDGE
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.dedup = PixelDedup(self.threshold)
+
+    async def process(self, item: Any) -> list[Any] | None:
+        if not isinstance(item, VideoFrame):
+            return None
+        if not self.dedup.keep(item):
+            self.stats.pixel_dropped += 1
+            return [Watermark(item.pts)]
+        self.stats.kept_frames += 1
+        return None
+
+
+@dataclass
+class ObserveFrames(Stage):
+    """Notes from the offline observers (faces, people, motion, cuts, colours); the
+    detectors run where the observer's `detectors` put them (media worker processes)."""
+
+    observer: FrameObserver
+    stats: IngestStats
+    name = "observe"
+    edge = INNER_EDGE
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    async def process(self, item: Any) -> list[Any] | None:
+        if not isinstance(item, VideoFrame):
+            return None
+        try:
+            note = await asyncio.to_thread(self.observer.observe, item)
+        except (StreamgrokError, ValueError, cv2.error) as exc:  # that frame only
+            self.stats.errors += 1
+            return [MediaError(f"frame at {item.pts:.2f}s dropped: {exc}", pts=item.pts,
+                               stage="observe"), Watermark(item.pts)]
+        if note is None:
+            return None
+        self.stats.notes += 1
+        return [note, item]
+
+
+@dataclass
+class EncodeFrames(Stage):
+    """The last video stage: CLIP + projector frame tokens (near-duplicate embeddings
+    dropped), or without an encoder nothing; a frame never leaves the video branch."""
+
+    clip: ClipEncoder | None
+    projector: Projector | None
+    embedding_dedup: float
+    stats: IngestStats
+    name = "encode"
+    edge = INNER_EDGE
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.dedup = EmbeddingDedup(self.embedding_dedup)
+
+    async def process(self, item: Any) -> list[Any] | None:
+        if not isinstance(item, VideoFrame):
+            return None
+        if self.clip is None or self.projector is None:
+            return [Watermark(item.pts)]
+        tokens = await asyncio.to_thread(self._encode, item)
+        if tokens is None:
+            self.stats.embedding_dropped += 1
+            return [Watermark(item.pts)]
+        return [tokens]
+
+    def _encode(self, frame: VideoFrame) -> FrameTokens | None:
+        embedding = self.clip.encode([frame.image])[0]
+        if not self.dedup.keep(embedding, frame.scene_cut):
+            return None
+        vectors = self.projector(embedding[None])[0]
+        return FrameTokens(vectors, frame.pts, frame.index, embedding)
+
+
+@dataclass
+class DetectSpeech(Stage):
+    """Voice activity (silero-vad): audio chunks in, finished speech segments out, and a
+    watermark up to where no segment can start any more."""
+
+    stats: IngestStats
+    name = "vad"
+    edge = INNER_EDGE
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        self.detector = SpeechDetector()
+
+    async def process(self, item: Any) -> list[Any] | None:
+        if not isinstance(item, AudioChunk):
+            return None
+        self.stats.audio_seconds += item.duration
+        segments = await asyncio.to_thread(self.detector.feed, item)
+        heard = item.pts + item.duration
+        open_since = self.detector.open_since
+        return [*segments, Watermark(heard if open_since is None else min(heard, open_since))]
+
+    async def flush(self) -> list[Any]:
+        return self.detector.flush()
+
+
+@dataclass
+class Transcribe(Stage):
+    """Speech segments -> timestamped transcript notes ("speech" when nothing decoded)."""
+
+    transcriber: Transcriber | None
+    stats: IngestStats
+    name = "transcribe"
+    edge = INNER_EDGE
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    async def process(self, item: Any) -> list[Any] | None:
+        if not isinstance(item, SpeechSegment):
+            return None
+        text = ""
+        if self.transcriber is not None:
+            text = await asyncio.to_thread(self.transcriber.transcribe, item.samples, RATE)
+        self.stats.notes += 1
+        return [speech_note(item, text)]
