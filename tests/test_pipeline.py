@@ -234,3 +234,25 @@ async def test_user_video_stages_see_frames_and_their_notes_reach_the_session(ti
     assert stats.notes > len(notes)  # the observers' notes came too
     pts = [e.pts for e in sink.events if e.kind == "note"]
     assert pts == sorted(pts)  # the merge keeps them in stream order
+
+
+def test_frame_encoders_are_loaded_once_per_process_not_per_session(monkeypatch):
+    """Every session's pipeline asks for CLIP + projector; with the server's shared
+    resources they load once (each CLIP load cost ~475 MB)."""
+    from streamgrok.pipeline import options as options_module
+    from streamgrok.pipeline.resources import PipelineOptions, SharedResources
+
+    loads = []
+    monkeypatch.setattr(options_module, "ClipEncoder",
+                        lambda model, pretrained: loads.append(("clip", pretrained)) or object())
+    monkeypatch.setattr(options_module.Projector, "load",
+                        staticmethod(lambda path, hidden=None: loads.append(("proj", path))
+                                     or object()))
+    shared = SharedResources()
+    server_options = {"clip_weights": "w.pt", "projector": "p.safetensors", "hidden_size": 64}
+    first = [options_module.frame_encoders(PipelineOptions(server_options, shared))
+             for _ in range(5)]
+    assert loads == [("clip", "w.pt"), ("proj", "p.safetensors")]
+    assert all(pair == first[0] for pair in first)
+    options_module.frame_encoders(dict(server_options))  # no resources: a load of its own
+    assert len(loads) == 4

@@ -128,6 +128,8 @@ BAD_INPUTS = [
     ('{"type": "query", "text": "\\ud800 lone"}', "bad_field"),
     ('{"type": "input.text", "text": "\\udfff"}', "bad_field"),
     (json.dumps({"type": "query", "text": "why " * 10_000}), "too_large"),
+    (json.dumps({"type": "input.text", "text": "x" * 40_000}), "too_large"),
+    (json.dumps({"type": "session.start", "options": "fps=2"}), "bad_field"),
     (json.dumps({"type": "query", "text": "why " * 300}), "too_large"),  # over the KV budget
     # media headers: timestamps must be finite and bounded
     (pack_media("video.frame", 0, float("inf"), b"x"), "bad_media"),

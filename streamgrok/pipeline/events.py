@@ -52,51 +52,43 @@ class NoteEvent(_Line):
 
 
 @dataclass
-class QuestionEvent(_Line):
-    """A question was asked: `purpose` is "answer" for a caller's query, or the trigger's
-    kind ("alert", "commentary", ...)."""
+class _AnswerPart(_Line):
+    """Common fields of the events of one answer; `purpose` is "answer" for a caller's
+    query, or the trigger's kind ("alert", "commentary", ...)."""
 
     purpose: str
     answer_id: int
     text: str
     pts: float | None
     query_id: Any = None
+    part = ""
 
     @property
     def kind(self) -> str:
-        return f"{self.purpose}.question"
+        return f"{self.purpose}.{self.part}"
 
 
 @dataclass
-class DeltaEvent(_Line):
+class QuestionEvent(_AnswerPart):
+    """A question was asked (`text`)."""
+
+    part = "question"
+
+
+@dataclass
+class DeltaEvent(_AnswerPart):
     """New text of an answer."""
 
-    purpose: str
-    answer_id: int
-    text: str
-    pts: float | None
-    query_id: Any = None
-
-    @property
-    def kind(self) -> str:
-        return f"{self.purpose}.delta"
+    part = "delta"
 
 
 @dataclass
-class DoneEvent(_Line):
+class DoneEvent(_AnswerPart):
     """An answer finished: its whole text, its question and its metrics."""
 
-    purpose: str
-    answer_id: int
-    text: str
-    pts: float | None
-    question: str
-    metrics: dict[str, Any]
-    query_id: Any = None
-
-    @property
-    def kind(self) -> str:
-        return f"{self.purpose}.done"
+    question: str = ""
+    metrics: dict[str, Any] = field(default_factory=dict)
+    part = "done"
 
 
 @dataclass

@@ -53,7 +53,6 @@ class SampleFrames(Stage):
     edge = INNER_EDGE
 
     def __post_init__(self) -> None:
-        super().__init__()
         self.sampler = RateSampler(self.fps)
         self.last_tick = float("-inf")
 
@@ -86,7 +85,6 @@ class DropDuplicateFrames(Stage):
     edge = INNER_EDGE
 
     def __post_init__(self) -> None:
-        super().__init__()
         self.dedup = PixelDedup(self.threshold)
 
     async def process(self, item: Any) -> list[Any] | None:
@@ -108,9 +106,6 @@ class ObserveFrames(Stage):
     stats: IngestStats
     name = "observe"
     edge = INNER_EDGE
-
-    def __post_init__(self) -> None:
-        super().__init__()
 
     async def process(self, item: Any) -> list[Any] | None:
         if not isinstance(item, VideoFrame):
@@ -140,7 +135,6 @@ class EncodeFrames(Stage):
     edge = INNER_EDGE
 
     def __post_init__(self) -> None:
-        super().__init__()
         self.dedup = EmbeddingDedup(self.embedding_dedup)
 
     async def process(self, item: Any) -> list[Any] | None:
@@ -172,7 +166,6 @@ class DetectSpeech(Stage):
     edge = INNER_EDGE
 
     def __post_init__(self) -> None:
-        super().__init__()
         self.detector = SpeechDetector()
 
     async def process(self, item: Any) -> list[Any] | None:
@@ -196,9 +189,6 @@ class Transcribe(Stage):
     stats: IngestStats
     name = "transcribe"
     edge = INNER_EDGE
-
-    def __post_init__(self) -> None:
-        super().__init__()
 
     async def process(self, item: Any) -> list[Any] | None:
         if not isinstance(item, SpeechSegment):

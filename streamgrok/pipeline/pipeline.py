@@ -219,8 +219,8 @@ class PipelineRunner:
             return
         metrics = answer.metrics.as_dict()
         self.stats.answers.append({"question": question, "answer": "".join(parts), **metrics})
-        await self.send(DoneEvent(kind, answer.id, "".join(parts), pts, question, metrics,
-                                  query_id))
+        await self.send(DoneEvent(kind, answer.id, "".join(parts), pts, query_id,
+                                  question=question, metrics=metrics))
 
     def progress_info(self) -> dict:
         ingest = self.ingest.stats if self.ingest else None

@@ -32,9 +32,7 @@ class Stage:
 
     name = "stage"
     edge = Edge()
-
-    def __init__(self) -> None:
-        self.report: Callable[[PipelineEvent], Awaitable[None]] | None = None
+    report: Callable[[PipelineEvent], Awaitable[None]] | None = None  # set by the runner
 
     async def process(self, item: Any) -> list[Any] | None:
         """Handle one item; None passes it on."""
