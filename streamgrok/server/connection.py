@@ -47,7 +47,8 @@ class ClientConnection:
         self.video_in = self.audio_in = None
         self.container: ContainerProcess | None = None  # a pushed video.chunk stream
         self.tasks: list[asyncio.Task] = []
-        self.answers: dict[Any, Any] = {}  # client query id -> Answer
+        self.answers: dict[Any, Any] = {}  # client query id -> Answer, while in flight
+        self.queries_asked = 0
         self.frame_index = 0
         self.media_times: deque[float] = deque()
         self.rate_limited = 0  # media messages dropped over the per-second limit
@@ -167,12 +168,13 @@ class ClientConnection:
                    f"{type(error).__name__}: {error}")
 
     async def _query(self, message: dict) -> None:
-        in_flight = sum(1 for a in self.answers.values() if not a.finished)
-        if in_flight >= self.config.max_inflight_queries:
+        self.answers = {q: a for q, a in self.answers.items() if not a.finished}
+        if len(self.answers) >= self.config.max_inflight_queries:
             raise ProtocolError("too_many_queries",
-                                f"{in_flight} queries in flight (max "
+                                f"{len(self.answers)} queries in flight (max "
                                 f"{self.config.max_inflight_queries})", message.get("id"))
-        query_id = message.get("id") or f"q{len(self.answers) + 1}"
+        self.queries_asked += 1
+        query_id = message.get("id") or f"q{self.queries_asked}"
         self._check_text_size(message)
         answer = self.runner.ask(message["text"], query_id=query_id)
         self.answers[query_id] = answer
