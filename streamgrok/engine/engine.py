@@ -320,8 +320,9 @@ class Engine:
             outputs.wake(callback)
         self._outputs_extra = []
         self._snapshot = self.scheduler.snapshot()
-        if outputs and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(outputs.deliver)
+        if outputs and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+                self._loop.call_soon_threadsafe(outputs.deliver)
 
     def _wait_until_holding(self) -> None:
         while not self._holding.wait(timeout=0.05):
