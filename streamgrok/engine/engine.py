@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import torch
 
@@ -63,7 +63,6 @@ class Engine:
                                   self.config.length_ratio)
         self._session_slots = threading.BoundedSemaphore(self.config.max_sessions)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._outputs_extra: list[Callable[[], None]] = []  # command replies, engine thread
         self._snapshot = self.scheduler.snapshot()
         self._wakeup = threading.Event()
         self._stopping = threading.Event()
@@ -262,21 +261,21 @@ class Engine:
                     self.scheduler.stats.errors += 1
                     self.scheduler.fail_everything(f"engine error: {exc}")
                 self._publish()
+                if idle:  # nothing to run: sleep until work arrives
+                    self._wakeup.wait(timeout=0.05)
+                    self._wakeup.clear()
             self.scheduler.close_all()
             self._publish()
 
     def _iterate(self, idle: bool) -> bool:
-        """One round: commands, then schedule -> run -> update -> evict. Returns whether the
-        engine is idle afterwards."""
+        """One round: commands, then schedule -> run -> update -> evict (the caller then
+        publishes). Returns whether there was nothing to run."""
         self._apply_commands()
         plan = self.scheduler.schedule()
         if plan.empty:
             if self._memory_freed:  # sessions left and nothing runs: give the memory back
                 self._memory_freed = False
                 release_free_memory()
-            self._publish()
-            self._wakeup.wait(timeout=0.05)
-            self._wakeup.clear()
             return True
         if idle and self.config.merge_window_s > 0:
             plan.release()
@@ -299,11 +298,11 @@ class Engine:
                     self.scheduler.register(state)
                 case CloseSession(state, done):
                     self.scheduler.close(state)
-                    self._outputs_extra.append(lambda done=done: _resolve(done))
+                    self.scheduler.outputs.wake(lambda done=done: _resolve(done))
                     self._memory_freed = True
                 case SessionInfo(state, done):
                     info = self._session_info(state)
-                    self._outputs_extra.append(lambda done=done, info=info: _resolve(done, info))
+                    self.scheduler.outputs.wake(lambda done=done, info=info: _resolve(done, info))
 
     def _session_info(self, state: SessionState) -> dict:
         cache = self.cache
@@ -316,9 +315,6 @@ class Engine:
         """One hand-off to the event loop: this round's answer events and wake-ups, replies to
         commands, and a fresh snapshot."""
         outputs = self.scheduler.take_outputs()
-        for callback in self._outputs_extra:
-            outputs.wake(callback)
-        self._outputs_extra = []
         self._snapshot = self.scheduler.snapshot()
         if outputs and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening

@@ -39,7 +39,8 @@ Deliver = Callable[[AnswerEvent], None]  # runs on the event loop
 
 @dataclass
 class StepOutputs:
-    """Events and wake-ups produced on the engine thread since the last hand-off."""
+    """Events, wake-ups and command replies produced on the engine thread since the last
+    hand-off (callbacks run on the event loop after the events)."""
 
     events: list[tuple[Deliver, AnswerEvent]] = field(default_factory=list)
     wakeups: list[Callable[[], None]] = field(default_factory=list)
