@@ -6,15 +6,14 @@ frames and audio into the ingest's input channels, paced in real time for live s
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
-import time
 
 import numpy as np
 
 from streamgrok.channel import Channel, ChannelClosed
+from streamgrok.media.decode import RealTimePacer
 from streamgrok.media.items import AudioChunk, MediaError, VideoFrame
-from streamgrok.media.native_pool import PACKAGE_ROOT
+from streamgrok.media.native_pool import worker_env
 from streamgrok.media.wire import read_message_async, write_message
 
 
@@ -27,12 +26,9 @@ class ContainerProcess:
         self.process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT),
-                                                           os.environ.get("PYTHONPATH")]))}
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "streamgrok.media.demux_worker",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=worker_env(),
             limit=2**26,
         )
 
@@ -53,7 +49,7 @@ class ContainerProcess:
 
     async def run_into(self, video_in: Channel, audio_in: Channel) -> None:
         """Deliver decoded items until the stream ends; a dead decoder becomes a MediaError."""
-        start = None
+        pacer = RealTimePacer()
         try:
             while True:
                 try:
@@ -72,8 +68,7 @@ class ContainerProcess:
                 item = _item(header, body)
                 pts = getattr(item, "pts", None)
                 if self.live and pts is not None:
-                    start = start if start is not None else time.monotonic() - pts
-                    await asyncio.sleep(max(0.0, start + pts - time.monotonic()))
+                    await asyncio.sleep(pacer.delay(pts))
                 await (audio_in if isinstance(item, AudioChunk) else video_in).put(item)
         except ChannelClosed:
             return

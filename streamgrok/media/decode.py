@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -146,6 +147,20 @@ def container_kind(head: bytes) -> str | None:
     if len(head) >= 8 and head[4:8] in (b"ftyp", b"styp", b"moof", b"moov"):
         return "mp4"
     return None
+
+
+class RealTimePacer:
+    """Live pacing: how long to wait before releasing an item at presentation time `pts`,
+    so a stream plays no faster than real time (the first item sets the clock)."""
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+
+    def delay(self, pts: float) -> float:
+        now = time.monotonic()
+        if self._start is None:
+            self._start = now - pts
+        return max(0.0, self._start + pts - now)
 
 
 class ByteFeed(io.RawIOBase):

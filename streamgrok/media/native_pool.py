@@ -41,16 +41,19 @@ class PoolStats:
     started_workers: int = 0
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of a media worker process: this streamgrok importable, one thread."""
+    path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
 class _Worker:
     """One worker process and its pipes; used by one thread at a time."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_ROOT),
-                                                           os.environ.get("PYTHONPATH")]))}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "streamgrok.media.native_worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=worker_env(),
         )
 
     def call(self, header: dict, payload: bytes, timeout_s: float) -> tuple[dict, bytes]:

@@ -26,11 +26,15 @@ def read_message(inp: BinaryIO) -> tuple[dict, bytes] | None:
     first = inp.read(_LENGTH.size)
     if not first:
         return None
-    length = _LENGTH.unpack(_read_exact(inp, _LENGTH.size, first))[0]
+    header = json.loads(_read_exact(inp, _header_length(_read_exact(inp, _LENGTH.size, first))))
+    return header, _read_exact(inp, int(header.get("size", 0)))
+
+
+def _header_length(raw: bytes) -> int:
+    length = _LENGTH.unpack(raw)[0]
     if length > MAX_HEADER:
         raise ValueError(f"message header of {length} bytes is over {MAX_HEADER}")
-    header = json.loads(_read_exact(inp, length))
-    return header, _read_exact(inp, int(header.get("size", 0)))
+    return length
 
 
 def _read_exact(inp: BinaryIO, n: int, start: bytes = b"") -> bytes:
@@ -53,11 +57,8 @@ async def read_message_async(reader) -> tuple[dict, bytes] | None:
         if not exc.partial:
             return None
         raise EOFError("stream ended inside a message header") from exc
-    length = _LENGTH.unpack(first)[0]
-    if length > MAX_HEADER:
-        raise ValueError(f"message header of {length} bytes is over {MAX_HEADER}")
     try:
-        header = json.loads(await reader.readexactly(length))
+        header = json.loads(await reader.readexactly(_header_length(first)))
         payload = await reader.readexactly(int(header.get("size", 0)))
     except asyncio.IncompleteReadError as exc:
         raise EOFError("stream ended inside a message") from exc

@@ -21,7 +21,7 @@ from typing import BinaryIO
 from streamgrok.channel import Channel, ChannelClosed
 from streamgrok.media.audio import PocketSphinxTranscriber, Transcriber
 from streamgrok.media.clip import ClipEncoder
-from streamgrok.media.decode import decode_container
+from streamgrok.media.decode import RealTimePacer, decode_container
 from streamgrok.media.interleave import Interleaver
 from streamgrok.media.items import AudioChunk, FrameTokens, MediaError, Note, Tick, Watermark
 from streamgrok.media.observers import FrameDetectors, FrameObserver
@@ -199,6 +199,10 @@ class Ingest:
     async def _merge(self, merger: Interleaver, video: Channel, audio: Channel,
                      report: _Reports, out: Channel, video_in: Channel) -> None:
         """Both branches into one stream in timestamp order (watermarks release items)."""
+        async def release() -> None:
+            for ready in [*report.take(), *merger.ready()]:
+                await out.put(ready)
+
         async def branch(name: str, channel: Channel) -> None:
             async for item in channel:
                 self.stats.queue_dropped = video_in.stats.dropped
@@ -208,11 +212,9 @@ class Ingest:
                     merger.push(name, item.pts or self.stats.stream_time, item)
                 else:
                     merger.push(name, item.pts, item)
-                for ready in [*report.take(), *merger.ready()]:
-                    await out.put(ready)
+                await release()
             merger.close(name)
-            for ready in [*report.take(), *merger.ready()]:
-                await out.put(ready)
+            await release()
 
         try:
             await asyncio.gather(branch("video", video), branch("audio", audio))
@@ -221,18 +223,14 @@ class Ingest:
 
     def _paced(self, items: Iterator, stop: threading.Event) -> Iterator:
         """In live mode, release items no earlier than their presentation time."""
-        start = None
+        pacer = RealTimePacer()
         for item in items:
             if stop.is_set():
                 return
             pts = getattr(item, "pts", None)
             if self.config.live and pts is not None:
-                start = start if start is not None else time.monotonic() - pts
-                delay = start + pts - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
+                time.sleep(pacer.delay(pts))
             yield item
-
 
 
 class _Reports:
@@ -242,7 +240,8 @@ class _Reports:
         self.items: list[MediaError] = []
 
     async def __call__(self, event: PipelineEvent) -> None:
-        self.items.append(MediaError(event.text, pts=event.pts, stage="stage"))
+        self.items.append(MediaError(event.text, pts=event.pts,
+                                     stage=getattr(event, "stage", "") or "stage"))
 
     def take(self) -> list[MediaError]:
         items, self.items = self.items, []
