@@ -119,6 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--kv-memory-gib", type=float, default=2.0)
     soak.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
     soak.add_argument("--out", default="bench-results", help="folder for the plot")
+    live = benches.add_parser("live", help="N live websocket clients per row: answers, TTFT, "
+                              "TBT, frames processed and dropped, server CPU")
+    live.add_argument("--clients", default="1,4,8,16,32", help="rows (the first is the baseline)")
+    live.add_argument("--fps", type=float, default=1.0, help="frames each client sends a second")
+    live.add_argument("--question-every", type=float, default=15.0, help="seconds")
+    live.add_argument("--seconds", type=float, default=120.0, help="per row")
+    live.add_argument("--answer-timeout", type=float, default=30.0,
+                      help="seconds after the row an open question may still be answered")
+    live.add_argument("--url", default=None, help="a running server's /ws (else one is started)")
+    live.add_argument("--pipeline", default="pipelines/live_qa.py")
+    live.add_argument("--model", default=None)
+    live.add_argument("--kv-budget", type=int, default=2048)
+    live.add_argument("--kv-memory-gib", type=float, default=2.0)
+    live.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
+    live.add_argument("--out", default="bench-results", help="folder for the plot")
     media = benches.add_parser("media", help="decode, CLIP, dedup and ingest rates")
     media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
     media.add_argument("--fps", type=float, default=2.0)
@@ -246,6 +261,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         configure_threads(args.threads)
         run_media_bench(args.clip_weights, args.fps)
+        return 0
+    if args.bench == "live":
+        from streamgrok.bench.live import run_live_bench
+
+        run_live_bench(args)
         return 0
     if args.bench == "soak":
         from streamgrok.bench.soak import run_soak_bench

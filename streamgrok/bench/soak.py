@@ -14,147 +14,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import sys
 import time
-import urllib.request
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import cv2
-import numpy as np
-import psutil
 from websockets.asyncio.client import connect
 
+from streamgrok.bench.live_client import (
+    PHOTOS,
+    QUESTIONS,
+    ClientResult,
+    frame_bytes,
+    live_client,
+)
+from streamgrok.bench.server_process import ServerProcess, settle
 from streamgrok.bench.timing import percentile
-from streamgrok.media.samples import photo
 from streamgrok.server.protocol import pack_media
-
-QUESTIONS = ["What is on screen right now?", "What has changed in the last seconds?",
-             "Describe the scene briefly.", "Is anybody there?"]
-PHOTOS = ["astronaut", "coffee", "cat", "chelsea", "rocket"]
-
-
-@dataclass
-class ClientResult:
-    """What one client saw."""
-
-    name: str
-    asked: int = 0
-    answered: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    errors: Counter = field(default_factory=Counter)
-    drops: dict = field(default_factory=dict)
-    handshake_failed: bool = False
-
-
-class ServerProcess:
-    """`streamgrok serve` started as a child process on a free loopback port."""
-
-    def __init__(self, args: list[str]) -> None:
-        self.args = args
-        self.process: asyncio.subprocess.Process | None = None
-        self.port = 0
-
-    async def start(self) -> None:
-        self.process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "streamgrok", "serve", *self.args, "--port", "0",
-            stdout=asyncio.subprocess.PIPE,
-        )
-        while True:
-            line = (await asyncio.wait_for(self.process.stdout.readline(), 600)).decode()
-            if not line:
-                raise RuntimeError("the server exited before it served")
-            if match := re.search(r"on http://127\.0\.0\.1:(\d+)/", line):
-                self.port = int(match.group(1))
-                asyncio.get_running_loop().create_task(self._drain_stdout())
-                return
-
-    async def _drain_stdout(self) -> None:
-        while await self.process.stdout.readline():
-            pass
-
-    def rss_mb(self) -> tuple[float, float]:
-        """(server process RSS, its media workers' RSS) in MB."""
-        proc = psutil.Process(self.process.pid)
-        workers = sum(c.memory_info().rss for c in proc.children(recursive=True))
-        return proc.memory_info().rss / 2**20, workers / 2**20
-
-    def metric(self, name: str) -> float:
-        url = f"http://127.0.0.1:{self.port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-        return float(match.group(1)) if match else float("nan")
-
-    async def stop(self) -> int:
-        self.process.terminate()
-        return await asyncio.wait_for(self.process.wait(), 120)
-
-
-def frame_bytes(index: int, size=(320, 240)) -> bytes:
-    image = photo(PHOTOS[(index // 10) % len(PHOTOS)], *size).copy()
-    x = (index * 17) % (size[0] - 40)
-    image[100:140, x : x + 40] = (220, 40, 40)  # something moves, so frames are not deduped
-    return cv2.imencode(".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR))[1].tobytes()
-
-
-def audio_bytes(seconds: float, seed: int) -> bytes:
-    noise = np.random.default_rng(seed).normal(0, 300, int(16000 * seconds))
-    return noise.astype("<i2").tobytes()
-
-
-async def live_client(port: int, name: str, frames: list[bytes], seconds: float,
-                      ask_every: float, offset: float, answer_timeout: float) -> ClientResult:
-    """Stream frames and audio at 1 Hz and ask every `ask_every` s; TTFT per question."""
-    result = ClientResult(name)
-    asked_at: dict[str, float] = {}
-    try:
-        ws = await asyncio.wait_for(connect(f"ws://127.0.0.1:{port}/ws", max_size=None), 30)
-    except (OSError, TimeoutError):
-        result.handshake_failed = True
-        return result
-    async with ws:
-        await ws.send(json.dumps({"type": "session.start", "id": name}))
-
-        async def reader() -> None:
-            async for raw in ws:
-                message = json.loads(raw)
-                kind = message["type"]
-                query = message.get("query_id")
-                if kind == "response.delta" and query in asked_at:
-                    result.ttfts.append(time.monotonic() - asked_at.pop(query))
-                elif kind == "response.done" and message.get("finish_reason") != "error":
-                    result.answered += 1
-                elif kind == "error":
-                    result.errors[message["code"]] += 1
-                elif kind == "stats":
-                    result.drops = message["drops"]
-
-        reading = asyncio.create_task(reader())
-        start = time.monotonic()
-        next_ask = start + offset
-        tick = 0
-        while (now := time.monotonic()) - start < seconds:
-            t = now - start
-            await ws.send(pack_media("video.frame", 0, t, frames[tick % len(frames)]))
-            await ws.send(pack_media("audio.pcm16", 0, t, audio_bytes(1.0, tick)))
-            if now >= next_ask:
-                query = f"{name}-{result.asked}"
-                asked_at[query] = time.monotonic()
-                await ws.send(json.dumps({"type": "query", "id": query,
-                                          "text": QUESTIONS[result.asked % len(QUESTIONS)]}))
-                result.asked += 1
-                next_ask += ask_every
-            tick += 1
-            await asyncio.sleep(max(0.0, start + tick - time.monotonic()))
-        deadline = time.monotonic() + answer_timeout
-        while result.answered + sum(result.errors.values()) < result.asked \
-                and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        reading.cancel()
-    return result
 
 
 async def storm_client(port: int, name: str, frame: bytes, limit_s: float = 120.0
@@ -192,17 +66,6 @@ async def _storm(port: int, frame: bytes, result: ClientResult) -> ClientResult:
     return result
 
 
-async def settle(server: ServerProcess, seconds: float = 30.0) -> None:
-    """Wait until the server holds no KV pages and no sessions (or time runs out)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        pages = await asyncio.to_thread(server.metric, "streamgrok_kv_pages_in_use")
-        sessions = await asyncio.to_thread(server.metric, "streamgrok_active_sessions")
-        if pages == 0 and sessions == 0:
-            return
-        await asyncio.sleep(0.5)
-
-
 async def run_soak(server_args: list[str], clients: int, seconds: float, ask_every: float,
                    storm: int, out: Path) -> None:
     frames = [frame_bytes(i) for i in range(10 * len(PHOTOS))]
@@ -219,7 +82,8 @@ async def run_soak(server_args: list[str], clients: int, seconds: float, ask_eve
     sampler = asyncio.create_task(sample_rss())
     try:
         print(f"server pid {server.process.pid} on port {server.port}; warm-up client alone")
-        idle = await live_client(server.port, "idle", frames, 16.0, 5.0, 2.0, 120.0)
+        url = f"ws://127.0.0.1:{server.port}/ws"
+        idle = await live_client(url, "idle", frames, 16.0, 1.0, 5.0, 2.0, 120.0)
         await settle(server)
         baseline_mb = sum(server.rss_mb())
         pages_before = server.metric("streamgrok_kv_pages_in_use")
@@ -227,7 +91,7 @@ async def run_soak(server_args: list[str], clients: int, seconds: float, ask_eve
               f"{baseline_mb:.0f} MB (media workers included); KV pages {pages_before:.0f}")
         live_started = time.monotonic() - started
         results = await asyncio.gather(*(
-            live_client(server.port, f"c{i:02d}", frames, seconds, ask_every,
+            live_client(url, f"c{i:02d}", frames, seconds, 1.0, ask_every,
                         offset=2.0 + ask_every * i / max(1, clients), answer_timeout=90.0)
             for i in range(clients)))
         live_ended = time.monotonic() - started

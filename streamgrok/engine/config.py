@@ -17,6 +17,8 @@ class EngineConfig:
     tokens wait, the oldest has waited that long, or a question is queued behind it (fewer,
     larger prefill spans per step).
     frame_queue / text_queue_tokens: per-session pending bounds (frames drop oldest; text waits).
+    media_freshness_s: a live frame not prefilled this long after it was queued is dropped
+    ("stale"), so a question never waits behind more than this much live media.
     """
 
     max_batch: int = 32
@@ -29,6 +31,7 @@ class EngineConfig:
     media_batch_tokens: int = 16
     media_wait_s: float = 0.25
     frame_queue: int = 64
+    media_freshness_s: float = 1.0
     text_queue_tokens: int = 16_384
     max_append_tokens: int = 8_192  # one text append; larger ones are refused (RequestTooLarge)
     protect_answers: bool = True
@@ -41,3 +44,5 @@ class EngineConfig:
             raise ValueError("max_batch, step_tokens and nano_batches must be >= 1")
         if self.min_prefill_share < 1:
             raise ValueError("min_prefill_share must be >= 1")
+        if not self.media_freshness_s > 0:
+            raise ValueError("media_freshness_s must be > 0")

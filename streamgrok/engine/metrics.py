@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
@@ -69,8 +69,8 @@ class EngineStats:
     answers_finished: int = 0
     answers_cancelled: int = 0
     answers_failed: int = 0
-    dropped_frames: int = 0
-    dropped_frame_tokens: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason -> live items of closed sessions
+    busy_seconds: float = 0.0  # time spent running steps
     unprotected_tokens: int = 0
     errors: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))
@@ -79,6 +79,7 @@ class EngineStats:
         self.steps += 1
         self.decode_tokens += step.decode_tokens
         self.prefill_tokens += step.prefill_tokens
+        self.busy_seconds += step.seconds
         self.recent.append(step)
 
 

@@ -1,10 +1,18 @@
-"""A session's bounded queue of pending appends, with a drop policy per kind of item."""
+"""A session's bounded queue of pending appends, with a drop policy per kind of item.
+
+Live media waits at most a freshness bound: a live frame not prefilled within it is dropped
+(reason "stale"), the oldest live frames go when the queue is full ("full"), and a state note
+(the observer's description of the picture now) replaces a waiting older one with the same
+key ("superseded"). Text, transcripts and remembered answers are never dropped; the queue
+holds them within a token bound instead. So what stands between a question and its answer
+is bounded: the fresh media, one state note, and the text.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -16,14 +24,17 @@ from streamgrok.stream_tokens import TokenInfo
 class AppendItem:
     """Tokens (ids, or embedding vectors for frame tokens) waiting to be prefilled.
 
-    `droppable` items (live video frames) are dropped oldest-first when the queue is full;
-    others (text, notes, transcripts, questions' answers) are never dropped.
+    `droppable` items (live video frames) are dropped oldest-first when the queue is full
+    and when they wait past the freshness bound; an item with a `state_key` is replaced by a
+    newer one with the same key while it waits; others (text, transcripts, questions'
+    answers) are never dropped.
     """
 
     info: TokenInfo
     token_ids: torch.Tensor  # [n] int64 (placeholder zeros for embedding rows)
     embeddings: torch.Tensor | None = None  # [n, hidden] for frame tokens
     droppable: bool = False
+    state_key: str | None = None
     done: int = 0  # tokens of this item already prefilled
     in_flight: bool = False  # part of the step being run (never dropped then)
     queued_at: float = field(default_factory=time.monotonic)
@@ -34,6 +45,11 @@ class AppendItem:
     @property
     def remaining(self) -> int:
         return len(self) - self.done
+
+    @property
+    def waiting(self) -> bool:
+        """Not started and not part of a running step (so it may still be dropped)."""
+        return not self.done and not self.in_flight
 
 
 @dataclass(eq=False)
@@ -51,9 +67,13 @@ class PendingQueue:
     frame_capacity: int
     text_capacity_tokens: int
     items: deque = field(default_factory=deque)
-    dropped_items: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason -> items dropped
     dropped_tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def dropped_items(self) -> int:
+        return sum(self.dropped.values())
 
     def text_room(self) -> int:
         """Tokens of non-droppable items that can still be queued."""
@@ -63,23 +83,44 @@ class PendingQueue:
         return self.text_capacity_tokens - used
 
     def put(self, item: AppendItem | QuestionMarker) -> list[AppendItem]:
-        """Queue an item; returns the frames dropped to make room (oldest first)."""
+        """Queue an item; returns what it pushed out: live frames over the capacity (oldest
+        first) and the waiting state note it replaces."""
         dropped = []
         with self._lock:
+            key = getattr(item, "state_key", None)
+            if key is not None:
+                old = [i for i in self.items if isinstance(i, AppendItem)
+                       and i.state_key == key and i.waiting]
+                self._remove(old, "superseded")
+                dropped += old
             self.items.append(item)
             frames = [i for i in self.items if isinstance(i, AppendItem) and i.droppable]
             excess = len(frames) - self.frame_capacity
-            for victim in frames:
-                if excess <= 0:
-                    break
-                if victim.done or victim.in_flight:  # being prefilled: finish, never cut it
-                    continue
-                self.items.remove(victim)
-                dropped.append(victim)
-                excess -= 1
-            self.dropped_items += len(dropped)
-            self.dropped_tokens += sum(len(d) for d in dropped)
+            # one being prefilled finishes, never cut it
+            victims = [i for i in frames if i.waiting][: max(0, excess)]
+            self._remove(victims, "full")
+            dropped += victims
         return dropped
+
+    def drop_stale(self, max_age_s: float, now: float) -> int:
+        """Drop the waiting live frames queued more than `max_age_s` ago; how many."""
+        with self._lock:
+            stale = [i for i in self.items if isinstance(i, AppendItem) and i.droppable
+                     and i.waiting and now - i.queued_at > max_age_s]
+            self._remove(stale, "stale")
+        return len(stale)
+
+    def question_waiting(self) -> bool:
+        """Whether a question waits behind queued media."""
+        with self._lock:
+            return any(isinstance(i, QuestionMarker) for i in self.items)
+
+    def _remove(self, victims: list[AppendItem], reason: str) -> None:
+        for victim in victims:
+            self.items.remove(victim)
+        if victims:
+            self.dropped[reason] += len(victims)
+            self.dropped_tokens += sum(len(v) for v in victims)
 
     def snapshot(self) -> list[AppendItem | QuestionMarker]:
         """The queued items, in order, as of now."""

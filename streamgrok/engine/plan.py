@@ -1,9 +1,10 @@
 """The plan of one engine step: decode first, then question prompts, then media prefill.
 
 Continuous batching: every step re-plans from scratch, so new questions and appends join at the
-next step and finished answers leave at once. Fairness: prefill is shared out per session
-(round-robin start, at most an equal share each), so a session flooding frames only fills its
-own bounded queue.
+next step and finished answers leave at once. Answers first: live frames past the freshness
+bound are dropped before planning, and sessions with a question waiting behind their media are
+fed before the others. Fairness: prefill is shared out per session (round-robin start, at most
+an equal share each), so a session flooding frames only fills its own bounded queue.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class Planner:
             budget -= share
 
         now = time.monotonic()
+        for session in sessions:
+            session.pending.drop_stale(self.config.media_freshness_s, now)
         feeding = [
             s for s in sessions
             if s.registered and isinstance(s.pending.head(), AppendItem)
@@ -125,6 +128,7 @@ class Planner:
         ]
         feeding = _rotate(feeding, self._prefill_turn)
         self._prefill_turn += 1
+        feeding.sort(key=lambda s: not s.pending.question_waiting())  # stable: turns kept
         for i, session in enumerate(feeding):
             if budget <= 0:
                 break

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
@@ -84,7 +84,7 @@ class Scheduler:
                 else:
                     self._fail(item.answer, error)
         state.pending.clear()
-        self.stats.dropped_frames += state.pending.dropped_items  # it leaves the snapshot sum
+        self.stats.dropped.update(state.pending.dropped)  # it leaves the snapshot sum
         if state.seq_id in self.cache.sequences:
             self.cache.remove_sequence(state.seq_id)
         self.sessions.pop(state.session_id, None)
@@ -145,9 +145,13 @@ class Scheduler:
         step_ms = [r.seconds * 1e3 for r in recent]
         pool = self.cache.pool
         sessions = list(self.sessions.values())
+        dropped = Counter(stats.dropped)
+        for session in sessions:
+            dropped.update(session.pending.dropped)
         return {
             "sessions": len(sessions),
             "steps": stats.steps,
+            "busy_seconds": stats.busy_seconds,
             "decode_tokens": stats.decode_tokens,
             "prefill_tokens": stats.prefill_tokens,
             "answers": {
@@ -169,8 +173,8 @@ class Scheduler:
             "kv_bytes_used": pool.used_pages * self.cache.page_bytes,
             "evicted_tokens": self.cache.stats.evicted_tokens,
             "eviction_passes": self.cache.stats.eviction_passes,
-            "dropped_frames": stats.dropped_frames + sum(s.pending.dropped_items
-                                                         for s in sessions),
+            "dropped_frames": sum(dropped.values()),
+            "dropped": dict(dropped),
             "unprotected_tokens": stats.unprotected_tokens,
             "errors": stats.errors,
         }
@@ -303,7 +307,7 @@ class Scheduler:
             return
         for item, _ in span.items:  # drop the media that broke the step
             item.done = len(item)
-        self.stats.dropped_frames += sum(1 for item, _ in span.items if item.droppable)
+        self.stats.dropped["failed"] += sum(1 for item, _ in span.items if item.droppable)
         self._consume(span)
 
     def _fail_sequence(self, seq_id: int, message: str) -> None:

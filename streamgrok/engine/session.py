@@ -80,6 +80,11 @@ class Session:
     def dropped_frames(self) -> int:
         return self._state.pending.dropped_items
 
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Live items dropped so far, by reason ("full", "stale", "superseded")."""
+        return dict(self._state.pending.dropped)
+
     def pending_tokens(self) -> int:
         return self._state.pending.pending_tokens()
 
@@ -90,11 +95,14 @@ class Session:
         timestamp: float = 0.0,
         source: int = -1,
         protected: bool = False,
+        state_key: str | None = None,
     ) -> None:
-        """Queue text (notes, transcripts, messages); waits while the text queue is full."""
+        """Queue text (notes, transcripts, messages); waits while the text queue is full.
+        Text with a `state_key` (a live description of the picture now) replaces a waiting
+        older text with the same key instead of queuing behind it."""
         ids = self._engine.tokenizer.encode(text)
         info = TokenInfo.uniform(len(ids), modality, timestamp, source, protected)
-        await self.append_tokens(torch.tensor(ids, dtype=torch.long), info)
+        await self.append_tokens(torch.tensor(ids, dtype=torch.long), info, state_key)
 
     async def append_message(
         self,
@@ -104,28 +112,36 @@ class Session:
         timestamp: float = 0.0,
         source: int = -1,
         protected: bool = False,
+        state_key: str | None = None,
     ) -> None:
         """Queue text as one chat turn in the model's own template (how observations and
-        transcripts should enter a chat model's context)."""
+        transcripts should enter a chat model's context); see `append_text`."""
         turn = self._engine.render_turn(self._state, role, content, generation_prompt=False)
-        await self.append_text(turn, modality, timestamp, source, protected)
+        await self.append_text(turn, modality, timestamp, source, protected, state_key)
 
-    async def append_tokens(self, token_ids: torch.Tensor, info: TokenInfo) -> None:
-        """Queue token ids (never dropped); waits while the text queue is full."""
+    async def append_tokens(self, token_ids: torch.Tensor, info: TokenInfo,
+                            state_key: str | None = None) -> None:
+        """Queue token ids (dropped only when replaced through `state_key`); waits while the
+        text queue is full."""
         self._check_open()
         n = token_ids.numel()
         limit = self._engine.config.max_append_tokens
         if n > limit:
             raise RequestTooLarge(f"an append of {n} tokens exceeds the limit of {limit}; "
                                   "send it in parts")
+        await self.wait_for_room(n)
+        self._state.pending.put(AppendItem(info, token_ids.long(), state_key=state_key))
+        self._engine.wake()
+
+    async def wait_for_room(self, tokens: int) -> None:
+        """Wait until `tokens` more never-dropped tokens fit in the session's queue (the
+        back-pressure of lossless sources: text, and frames of files)."""
         pending = self._state.pending
-        while pending.text_room() < n and pending.pending_tokens() > 0:
+        while pending.text_room() < tokens and pending.pending_tokens() > 0:
             self._space.clear()
-            if pending.text_room() >= n:
+            if pending.text_room() >= tokens:
                 break
             await self._space.wait()
-        pending.put(AppendItem(info, token_ids.long()))
-        self._engine.wake()
 
     def append_embeddings(
         self,
@@ -136,8 +152,9 @@ class Session:
         droppable: bool = True,
     ) -> int:
         """Queue embedding vectors [k, hidden] (frame tokens). Live frames are droppable:
-        when the session's frame queue is full the oldest waiting frame is dropped.
-        Returns how many frames were dropped to make room."""
+        when the session's frame queue is full the oldest waiting frame is dropped, and a frame
+        not prefilled within the freshness bound is dropped. Returns how many frames were
+        dropped to make room."""
         self._check_open()
         hidden = self._engine.model_config.hidden_size
         if vectors.ndim != 2 or vectors.shape[1] != hidden:

@@ -1,20 +1,22 @@
-"""Audio: voice activity with silero-vad (ships its model) and a pluggable transcriber
-(pocketsphinx's en-us model by default). Input is 16 kHz mono float audio."""
+"""Audio: voice activity with silero-vad (its sequence ONNX model, shipped in the package)
+and a pluggable transcriber (pocketsphinx's en-us model by default). Input is 16 kHz mono
+float audio."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from importlib import resources
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from streamgrok.media.items import AudioChunk, Note
 from streamgrok.stream_tokens import Modality
 
 RATE = 16_000
 WINDOW = 512  # samples per silero-vad step at 16 kHz
+CONTEXT = 64  # samples of the previous window each step also sees
 
 
 class Transcriber(Protocol):
@@ -52,44 +54,95 @@ class SpeechSegment:
     samples: np.ndarray
 
 
+class SpeechModel:
+    """silero-vad's sequence ONNX model: one call scores a whole block of 32 ms windows (the
+    LSTM state goes in and out), and ONNX Runtime releases the GIL while it runs, so many
+    sessions' detectors share the cores instead of queuing on the interpreter. Thread-safe:
+    one instance serves every session of a process."""
+
+    def __init__(self) -> None:
+        import onnxruntime
+
+        options = onnxruntime.SessionOptions()
+        options.inter_op_num_threads = 1
+        options.intra_op_num_threads = 1
+        path = resources.files("silero_vad") / "data" / "silero_vad_16k_sequence.onnx"
+        self.session = onnxruntime.InferenceSession(
+            str(path), sess_options=options, providers=["CPUExecutionProvider"])
+
+    def score(self, windows: np.ndarray, state: tuple[np.ndarray, np.ndarray]
+              ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """Speech probability of each row of `windows` [n, CONTEXT + WINDOW] (each window
+        prefixed by the last CONTEXT samples before it), and the state after the last."""
+        probs, hidden, cell = self.session.run(
+            ["speech_probs", "hn", "cn"], {"input": windows, "h": state[0], "c": state[1]})
+        return probs.reshape(-1), (hidden, cell)
+
+
+def new_vad_state() -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros((1, 1, 128), np.float32), np.zeros((1, 1, 128), np.float32)
+
+
 class SpeechDetector:
-    """Streaming voice activity detection; yields finished speech segments."""
+    """Streaming voice activity detection; yields finished speech segments.
 
-    def __init__(self, threshold: float = 0.5, min_silence_ms: int = 300,
-                 max_segment_s: float = 15.0) -> None:
-        threads = torch.get_num_threads()
-        from silero_vad import VADIterator, load_silero_vad  # importing it sets 1 thread
+    Speech starts at a window scoring >= `threshold` and ends after `min_silence_ms` of
+    windows scoring below `threshold - 0.15` (silero's own hysteresis); a segment longer than
+    `max_segment_s` is cut there.
+    """
 
-        torch.set_num_threads(threads)
-        self.model = load_silero_vad()
-        self.iterator = VADIterator(self.model, threshold=threshold, sampling_rate=RATE,
-                                    min_silence_duration_ms=min_silence_ms)
+    def __init__(self, model: SpeechModel | None = None, threshold: float = 0.5,
+                 min_silence_ms: int = 300, max_segment_s: float = 15.0) -> None:
+        self.model = model or SpeechModel()
+        self.threshold = threshold
+        self.min_silence = min_silence_ms * RATE // 1000
         self.max_segment = int(max_segment_s * RATE)
+        self._state = new_vad_state()
+        self._context = np.zeros(CONTEXT, dtype=np.float32)
         self._pending = np.zeros(0, dtype=np.float32)
-        self._clock = None  # stream time of the first sample in _pending
+        self._clock: float | None = None  # stream time of the first sample in _pending
         self._speech: list[np.ndarray] = []
         self._speech_start: float | None = None
+        self._silent_since: float | None = None
 
     def feed(self, chunk: AudioChunk) -> list[SpeechSegment]:
         if self._clock is None:
             self._clock = chunk.pts
         self._pending = np.concatenate([self._pending, chunk.samples.astype(np.float32)])
+        count = self._pending.shape[0] // WINDOW
+        if not count:
+            return []
+        frames = self._pending[: count * WINDOW].reshape(count, WINDOW)
+        self._pending = self._pending[count * WINDOW :]
+        contexts = np.concatenate([self._context[None], frames[:-1, -CONTEXT:]])
+        self._context = frames[-1, -CONTEXT:].copy()
+        probs, self._state = self.model.score(
+            np.ascontiguousarray(np.concatenate([contexts, frames], axis=1)), self._state)
         segments = []
-        while self._pending.shape[0] >= WINDOW:
-            window, self._pending = self._pending[:WINDOW], self._pending[WINDOW:]
+        for window, prob in zip(frames, probs):
             t = self._clock
             self._clock += WINDOW / RATE
-            with torch.inference_mode():
-                event = self.iterator(torch.from_numpy(window.copy()), return_seconds=False)
-            if event and "start" in event:
-                self._speech_start = t
-                self._speech = []
-            if self._speech_start is not None:
-                self._speech.append(window)
-                too_long = sum(w.shape[0] for w in self._speech) >= self.max_segment
-                if (event and "end" in event) or too_long:
-                    segments.append(self._close(t + WINDOW / RATE))
+            segment = self._step(window, float(prob), t)
+            if segment is not None:
+                segments.append(segment)
         return segments
+
+    def _step(self, window: np.ndarray, prob: float, t: float) -> SpeechSegment | None:
+        if self._speech_start is None:
+            if prob < self.threshold:
+                return None
+            self._speech_start, self._speech, self._silent_since = t, [], None
+        self._speech.append(window)
+        end = t + WINDOW / RATE
+        if prob >= self.threshold:
+            self._silent_since = None
+        elif prob < self.threshold - 0.15 and self._silent_since is None:
+            self._silent_since = t
+        silent = self._silent_since is not None and \
+            (end - self._silent_since) * RATE >= self.min_silence
+        if silent or len(self._speech) * WINDOW >= self.max_segment:
+            return self._close(end)
+        return None
 
     @property
     def open_since(self) -> float | None:
@@ -103,15 +156,16 @@ class SpeechDetector:
 
     def _close(self, end: float) -> SpeechSegment:
         segment = SpeechSegment(self._speech_start, end, np.concatenate(self._speech))
-        self._speech_start, self._speech = None, []
+        self._speech_start, self._speech, self._silent_since = None, [], None
         return segment
 
 
 class AudioObserver:
     """Speech segments -> timestamped transcript notes (or "speech" when nothing decoded)."""
 
-    def __init__(self, transcriber: Transcriber | None = None) -> None:
-        self.detector = SpeechDetector()
+    def __init__(self, transcriber: Transcriber | None = None,
+                 model: SpeechModel | None = None) -> None:
+        self.detector = SpeechDetector(model)
         self.transcriber = transcriber
 
     def feed(self, chunk: AudioChunk) -> list[Note]:

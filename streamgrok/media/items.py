@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ class VideoFrame:
     pts: float
     index: int
     scene_cut: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # when it entered the pipeline
 
 
 @dataclass(eq=False)
@@ -38,13 +40,16 @@ class AudioChunk:
 
 @dataclass(eq=False)
 class Note:
-    """Timestamped text about the stream (observer notes, transcripts)."""
+    """Timestamped text about the stream (observer notes, transcripts). A note with a
+    `state_key` describes the picture now: on a live stream a newer note with the same key
+    replaces it while it still waits for the model."""
 
     text: str
     pts: float
     modality: Modality = Modality.NOTE
     source: int = -1
     tags: set[str] = field(default_factory=set)
+    state_key: str | None = None
 
     def stamped(self) -> str:
         """The text with its time as [mm:ss]."""

@@ -19,13 +19,22 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from streamgrok.channel import Channel, ChannelClosed
-from streamgrok.media.audio import PocketSphinxTranscriber, Transcriber
+from streamgrok.media.audio import PocketSphinxTranscriber, SpeechModel, Transcriber
 from streamgrok.media.clip import ClipEncoder
 from streamgrok.media.decode import RealTimePacer, decode_container
 from streamgrok.media.interleave import Interleaver
-from streamgrok.media.items import AudioChunk, FrameTokens, MediaError, Note, Tick, Watermark
+from streamgrok.media.items import (
+    AudioChunk,
+    FrameTokens,
+    MediaError,
+    Note,
+    Tick,
+    VideoFrame,
+    Watermark,
+)
 from streamgrok.media.observers import FrameDetectors, FrameObserver
 from streamgrok.media.projector import Projector
+from streamgrok.pipeline.degradation import Degradation
 from streamgrok.pipeline.events import PipelineEvent
 from streamgrok.pipeline.ingest_stages import (
     DetectSpeech,
@@ -50,6 +59,7 @@ class IngestConfig:
     transcribe: bool = True
     frame_queue: int = 8
     embedding_dedup: float = 0.95
+    freshness_s: float = 1.0  # live: a frame not yet observed/encoded this long is dropped
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.fps) or not 0 < self.fps <= 1000:
@@ -66,6 +76,7 @@ class IngestStats:
     pixel_dropped: int = 0
     embedding_dropped: int = 0
     queue_dropped: int = 0
+    stale_dropped: int = 0
     audio_seconds: float = 0.0
     notes: int = 0
     errors: int = 0
@@ -74,9 +85,14 @@ class IngestStats:
 
     @property
     def dropped_frames(self) -> int:
-        """Frames not turned into tokens: near-duplicates (pixels or embedding) and frames
-        dropped from a full live queue."""
-        return self.pixel_dropped + self.embedding_dropped + self.queue_dropped
+        """Frames not turned into tokens: near-duplicates (pixels or embedding), frames
+        dropped from a full live queue and live frames past their freshness bound."""
+        return sum(self.drops().values())
+
+    def drops(self) -> dict[str, int]:
+        """Dropped frames by reason."""
+        return {"duplicate": self.pixel_dropped + self.embedding_dropped,
+                "queue": self.queue_dropped, "stale": self.stale_dropped}
 
 
 class Ingest:
@@ -90,6 +106,8 @@ class Ingest:
         transcriber: Transcriber | None = None,
         detectors: FrameDetectors | None = None,
         video_stages: list[Stage] | None = None,
+        speech_model: SpeechModel | None = None,
+        degradation: Degradation | None = None,
     ) -> None:
         self.config = config or IngestConfig()
         self.clip = clip
@@ -101,20 +119,26 @@ class Ingest:
             transcriber = PocketSphinxTranscriber()
         self.transcriber = transcriber if self.config.transcribe else None
         self.video_stages = list(video_stages or [])
+        self.speech_model = speech_model
+        self.degradation = degradation or Degradation()
+        self.observer: FrameObserver | None = None
         self.stats = IngestStats()
 
     def stages(self) -> tuple[list[Stage], list[Stage]]:
         """Fresh (video, audio) branch stages for one run."""
         config, stats = self.config, self.stats
-        video: list[Stage] = [SampleFrames(config.fps, stats),
+        max_age = config.freshness_s if config.live else None
+        video: list[Stage] = [SampleFrames(config.fps, stats, self.degradation),
                               DropDuplicateFrames(config.dedup_threshold, stats),
                               *self.video_stages]
         if config.observers:
-            video.append(ObserveFrames(FrameObserver(self.detectors), stats))
-        video.append(EncodeFrames(self.clip, self.projector, config.embedding_dedup, stats))
+            self.observer = FrameObserver(self.detectors)
+            video.append(ObserveFrames(self.observer, stats, max_age, self.degradation))
+        video.append(EncodeFrames(self.clip, self.projector, config.embedding_dedup, stats,
+                                  max_age))
         audio: list[Stage] = []
         if config.audio:
-            audio = [DetectSpeech(stats), Transcribe(self.transcriber, stats)]
+            audio = [DetectSpeech(stats, self.speech_model), Transcribe(self.transcriber, stats)]
         return video, audio
 
     async def run(
@@ -230,6 +254,8 @@ class Ingest:
             pts = getattr(item, "pts", None)
             if self.config.live and pts is not None:
                 time.sleep(pacer.delay(pts))
+                if isinstance(item, VideoFrame):
+                    item.arrived = time.monotonic()
             yield item
 
 

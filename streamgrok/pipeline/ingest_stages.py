@@ -9,7 +9,8 @@ last video stage turns every remaining frame into frame tokens or a watermark.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import cv2
@@ -18,6 +19,7 @@ from streamgrok.errors import StreamgrokError
 from streamgrok.media.audio import (
     RATE,
     SpeechDetector,
+    SpeechModel,
     SpeechSegment,
     Transcriber,
     speech_note,
@@ -34,6 +36,7 @@ from streamgrok.media.items import (
 from streamgrok.media.observers import FrameObserver
 from streamgrok.media.projector import Projector
 from streamgrok.media.sampling import PixelDedup, RateSampler
+from streamgrok.pipeline.degradation import Degradation
 from streamgrok.pipeline.stage import Edge, Stage
 
 if TYPE_CHECKING:
@@ -43,18 +46,29 @@ TICK_SECONDS = 0.5
 INNER_EDGE = Edge(capacity=4, policy="block")  # between built-in stages: the input drops
 
 
+def stale(frame: VideoFrame, max_age_s: float | None) -> bool:
+    """Whether a live frame waited past its freshness bound since it came in."""
+    return max_age_s is not None and time.monotonic() - frame.arrived > max_age_s
+
+
 @dataclass
 class SampleFrames(Stage):
-    """Keeps at most `fps` frames a second of stream time; a Tick every half second."""
+    """Keeps at most `fps` frames a second of stream time (times the degradation's scale
+    under load); a Tick every half second."""
 
     fps: float
     stats: IngestStats
+    degradation: Degradation = field(default_factory=Degradation)
     name = "sample"
     edge = INNER_EDGE
 
     def __post_init__(self) -> None:
         self.sampler = RateSampler(self.fps)
         self.last_tick = float("-inf")
+
+    @property
+    def effective_fps(self) -> float:
+        return self.fps * self.degradation.fps_scale
 
     async def process(self, item: Any) -> list[Any] | None:
         if isinstance(item, MediaError):
@@ -68,6 +82,7 @@ class SampleFrames(Stage):
             out.append(Tick(item.pts))
         self.stats.decoded_frames += 1
         self.stats.stream_time = max(self.stats.stream_time, item.pts)
+        self.sampler.interval = 1.0 / self.effective_fps
         if not self.sampler.keep(item):
             return [*out, Watermark(item.pts)]
         self.stats.sampled_frames += 1
@@ -100,16 +115,23 @@ class DropDuplicateFrames(Stage):
 @dataclass
 class ObserveFrames(Stage):
     """Notes from the offline observers (faces, people, motion, cuts, colours); the
-    detectors run where the observer's `detectors` put them (media worker processes)."""
+    detectors run where the observer's `detectors` put them (media worker processes). A live
+    frame older than `max_age_s` is dropped (stale) before any work."""
 
     observer: FrameObserver
     stats: IngestStats
+    max_age_s: float | None = None
+    degradation: Degradation = field(default_factory=Degradation)
     name = "observe"
     edge = INNER_EDGE
 
     async def process(self, item: Any) -> list[Any] | None:
         if not isinstance(item, VideoFrame):
             return None
+        if stale(item, self.max_age_s):
+            self.stats.stale_dropped += 1
+            return [Watermark(item.pts)]
+        self.observer.schedule.stretch = 1.0 / self.degradation.fps_scale
         try:
             note = await asyncio.to_thread(self.observer.observe, item)
         except (StreamgrokError, ValueError, cv2.error) as exc:  # that frame only
@@ -131,6 +153,7 @@ class EncodeFrames(Stage):
     projector: Projector | None
     embedding_dedup: float
     stats: IngestStats
+    max_age_s: float | None = None
     name = "encode"
     edge = INNER_EDGE
 
@@ -141,6 +164,9 @@ class EncodeFrames(Stage):
         if not isinstance(item, VideoFrame):
             return None
         if self.clip is None or self.projector is None:
+            return [Watermark(item.pts)]
+        if stale(item, self.max_age_s):
+            self.stats.stale_dropped += 1
             return [Watermark(item.pts)]
         tokens = await asyncio.to_thread(self._encode, item)
         if tokens is None:
@@ -162,11 +188,12 @@ class DetectSpeech(Stage):
     watermark up to where no segment can start any more."""
 
     stats: IngestStats
+    model: SpeechModel | None = None  # shared by the sessions of a process
     name = "vad"
     edge = INNER_EDGE
 
     def __post_init__(self) -> None:
-        self.detector = SpeechDetector()
+        self.detector = SpeechDetector(self.model)
 
     async def process(self, item: Any) -> list[Any] | None:
         if not isinstance(item, AudioChunk):

@@ -104,12 +104,15 @@ class PipelineRunner:
             self.session = self.engine.new_session(self.pipeline.system_prompt)
             config = self.pipeline.ingest
             shared = self.resources
-            transcriber = None
-            if shared is not None and config.audio and config.transcribe:
-                transcriber = shared.transcriber()
+            transcriber = speech_model = None
+            if shared is not None and config.audio:
+                speech_model = shared.speech_model()
+                if config.transcribe:
+                    transcriber = shared.transcriber()
             self.ingest = Ingest(config, self.pipeline.clip, self.pipeline.projector,
                                  transcriber, shared.media_pool if shared else None,
-                                 self.pipeline.video_stages)
+                                 self.pipeline.video_stages, speech_model,
+                                 shared.degradation if shared else None)
 
     def ask(self, question: str, kind: str = "answer", query_id: Any = None) -> Answer:
         """Ask the session now (a client's query); the answer streams to the sinks as
@@ -172,13 +175,17 @@ class PipelineRunner:
         pts = getattr(item, "pts", None)
         if pts is not None:
             self.stats.stream_time = max(self.stats.stream_time, pts)
+        live = self.pipeline.ingest.live
         if isinstance(item, FrameTokens):
-            session.append_embeddings(item.vectors, item.pts, item.index)
+            if not live:  # a file's frames are never dropped: wait for room instead
+                await session.wait_for_room(item.vectors.shape[0])
+            session.append_embeddings(item.vectors, item.pts, item.index, droppable=live)
             self.stats.frame_tokens += item.vectors.shape[0]
         elif isinstance(item, Note):
             self.stats.notes += 1
             await session.append_message(item.stamped(), modality=item.modality,
-                                         timestamp=item.pts, source=item.source)
+                                         timestamp=item.pts, source=item.source,
+                                         state_key=item.state_key if live else None)
             await self.send(NoteEvent(item.text, item.pts, sorted(item.tags)))
             for trigger in triggers:
                 question = trigger.on_note(item)

@@ -1,7 +1,8 @@
 """What one process loads once and lends to every session's pipeline.
 
 The server (or `streamgrok run`) owns one `SharedResources`: CLIP encoders and projectors,
-the speech transcriber and the media worker pool are loaded once, never per session.
+the speech transcriber and voice-activity model, and the media worker pool are loaded once,
+never per session; the live `degradation` level is shared the same way.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
-from streamgrok.media.audio import PocketSphinxTranscriber, Transcriber
+from streamgrok.media.audio import PocketSphinxTranscriber, SpeechModel, Transcriber
 from streamgrok.media.native_pool import NativeMediaPool
+from streamgrok.pipeline.degradation import Degradation
 
 T = TypeVar("T")
 
@@ -21,6 +23,7 @@ class SharedResources:
 
     def __init__(self, media_pool: NativeMediaPool | None = None) -> None:
         self.media_pool = media_pool
+        self.degradation = Degradation()  # written by the server's load governor
         self._loaded: dict[Hashable, Any] = {}
         self._lock = threading.Lock()
 
@@ -34,6 +37,10 @@ class SharedResources:
     def transcriber(self) -> Transcriber:
         """The shared speech transcriber (pocketsphinx; it serialises utterances itself)."""
         return self.get(("transcriber", "pocketsphinx"), PocketSphinxTranscriber)
+
+    def speech_model(self) -> SpeechModel:
+        """The shared voice-activity model (thread-safe; each session keeps its own state)."""
+        return self.get("speech_model", SpeechModel)
 
     def close(self) -> None:
         if self.media_pool is not None:

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -86,10 +87,13 @@ class StreamgrokServer:
         self.resources = SharedResources(NativeMediaPool(config.media_workers))
         self.pipeline = self.session_pipeline(None)  # fail early; the client allow-list
         ingest = self.pipeline.ingest
-        if ingest.audio and ingest.transcribe:
-            self.resources.transcriber()  # loaded once, before the first client waits on it
+        if ingest.audio:  # loaded once, before the first client waits on them
+            self.resources.speech_model()
+            if ingest.transcribe:
+                self.resources.transcriber()
         self.cache_config = cache or CacheConfig()
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.drops)
+        self.closed_drops: Counter = Counter()  # what finished sessions dropped
         self.engine: Engine | None = None
         self.active_sessions = 0
         self.connections: set[ClientConnection] = set()
@@ -131,6 +135,17 @@ class StreamgrokServer:
         if self.engine is not None:
             await self.engine.stop()
         self.resources.close()
+
+    def drops(self) -> dict[str, int]:
+        """Everything every session dropped so far, by reason."""
+        total = Counter(self.closed_drops)
+        for connection in self.connections:
+            if connection.runner is not None:
+                total.update(connection.drops())
+        return dict(total)
+
+    def session_ended(self, connection: ClientConnection) -> None:
+        self.closed_drops.update(connection.drops())
 
     @property
     def port(self) -> int:

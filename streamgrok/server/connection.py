@@ -56,6 +56,7 @@ class ClientConnection:
         self.outbox: deque[tuple[str, str]] = deque()
         self.outbox_ready = asyncio.Event()
         self.dropped_outbound = 0
+        self._ended: PipelineRunner | None = None  # the finished session (its drops count)
         self.closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -195,7 +196,6 @@ class ClientConnection:
             self.media_times.popleft()
         if len(self.media_times) >= self.config.max_media_per_second:
             self.rate_limited += 1
-            self.server.metrics.frames_dropped.inc()
             if now - self.rate_limit_reported < 1.0:
                 return  # dropped and counted; one error a second says so
             self.rate_limit_reported = now
@@ -215,8 +215,7 @@ class ClientConnection:
                 return
             frame = VideoFrame(image, media.timestamp, self.frame_index)
             self.frame_index += 1
-            if not await self.video_in.put(frame):
-                self.server.metrics.frames_dropped.inc()
+            await self.video_in.put(frame)  # live: drops the oldest (counted by the ingest)
         elif media.kind == "audio.pcm16":
             try:
                 chunk: AudioChunk = pcm16_chunk(media.payload, media.timestamp)
@@ -324,26 +323,58 @@ class ClientConnection:
         snap = engine.snapshot()
         runner = self.runner
         info = await runner.session.cache_info() if runner else {}
-        ingest = runner.ingest.stats if runner and runner.ingest else None
+        drops = self.drops()
         return {
             "kv": {"pages_used": snap["kv_pages_used"], "pages_total": snap["kv_pages_total"],
                    "layer_tokens": info.get("layer_tokens", []),
                    "layer_budget": engine.cache.budgets},
             "evicted_tokens": snap["evicted_tokens"],
             "retained": info.get("retained", []),
-            "drops": {
-                "frames": ingest.dropped_frames if ingest else 0,
-                "rate_limited": self.rate_limited,
-                "outbound": self.dropped_outbound,
-            },
+            "drops": {"frames": sum(v for k, v in drops.items() if k.startswith("frames_")),
+                      **drops},
+            "frames": self.frame_counts(),
+            "load": self.load_info(),
             "stream_time": runner.stats.stream_time if runner else 0.0,
             "latency": {"step_ms_p50": snap["step_ms_p50"], "step_ms_p95": snap["step_ms_p95"]},
         }
+
+    def drops(self) -> dict[str, int]:
+        """Everything this session dropped so far, by reason (see docs/PROTOCOL.md)."""
+        runner = self.runner or self._ended
+        ingest = runner.ingest.stats if runner and runner.ingest else None
+        engine = runner.session.dropped if runner and runner.session else {}
+        return {
+            "frames_duplicate": ingest.drops()["duplicate"] if ingest else 0,
+            "frames_queue": ingest.queue_dropped if ingest else 0,
+            "frames_stale": (ingest.stale_dropped if ingest else 0) + engine.get("stale", 0),
+            "frames_full": engine.get("full", 0),
+            "frames_rate_limited": self.rate_limited,
+            "notes_superseded": engine.get("superseded", 0),
+            "outbound": self.dropped_outbound,
+        }
+
+    def frame_counts(self) -> dict[str, int]:
+        """Frames received from the client, sampled, and processed (observed / encoded)."""
+        runner = self.runner
+        ingest = runner.ingest.stats if runner and runner.ingest else None
+        if ingest is None:
+            return {"received": self.frame_index, "sampled": 0, "processed": 0}
+        return {"received": self.frame_index, "sampled": ingest.sampled_frames,
+                "processed": max(0, ingest.kept_frames - ingest.stale_dropped)}
+
+    def load_info(self) -> dict:
+        """The sampling rate this session gets now, and whether the server degraded it."""
+        degradation = self.server.resources.degradation
+        runner = self.runner
+        requested = runner.pipeline.ingest.fps if runner else 0.0
+        return {"requested_fps": requested, "fps": requested * degradation.fps_scale,
+                "degraded": degradation.degraded, "reason": degradation.reason}
 
     async def _end_session(self) -> None:
         if self.runner is None:
             return
         runner, self.runner = self.runner, None
+        self._ended = runner
         if self.container is not None:
             await self.container.stop()
         self.video_in.close()
@@ -356,6 +387,7 @@ class ClientConnection:
             await runner.session.close()
         self.server.active_sessions -= 1
         self.server.metrics.sessions.set(self.server.active_sessions)
+        self.server.session_ended(self)
 
 
 def _query_id(event: DeltaEvent | DoneEvent | ErrorEvent) -> Any:

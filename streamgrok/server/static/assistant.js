@@ -78,11 +78,25 @@ function addEvent(text, kind) {
   while ($("events").children.length > 200) $("events").lastChild.remove();
 }
 
+const DROP_NAMES = {frames_duplicate: "duplicate", frames_queue: "queue full",
+  frames_stale: "stale", frames_full: "engine queue full", frames_rate_limited: "rate-limited",
+  notes_superseded: "notes superseded", outbound: "messages"};
+
+function dropsText(s) {
+  const parts = Object.entries(DROP_NAMES)
+    .filter(([key]) => s.drops[key])
+    .map(([key, name]) => `${name} ${s.drops[key]}`);
+  const load = s.load && s.load.degraded
+    ? ` · degraded to ${s.load.fps.toFixed(2)} fps (${s.load.reason})` : "";
+  return `dropped: ${s.drops.frames} frames` + (parts.length ? ` (${parts.join(", ")})` : "") +
+    `, ${s.drops.outbound} messages` + load;
+}
+
 function showStats(s) {
   const kv = s.kv;
   $("kv").textContent = `${kv.pages_used} / ${kv.pages_total} pages · evicted ${s.evicted_tokens} tokens` +
     ` · step p50 ${Math.round(s.latency.step_ms_p50 || 0)} ms`;
-  $("drops").textContent = `dropped: ${s.drops.frames} frames, ${s.drops.outbound} messages`;
+  $("drops").textContent = dropsText(s);
   const layers = $("layers").getContext("2d"), W = 300, H = 60;
   layers.clearRect(0, 0, W, H);
   const n = kv.layer_tokens.length, bw = W / Math.max(1, n);

@@ -1,0 +1,209 @@
+"""`streamgrok bench live`: many live websocket clients against a real server, one row per N.
+
+A `streamgrok serve` process starts on loopback (or `--url` names a running server). For each
+N in `--clients` (the first row, N=1 by default, is the baseline of the same run), N clients
+each stream generated JPEG frames at `--fps`, a second of PCM audio a second, and ask a
+question every `--question-every` seconds for `--seconds`. Per row: questions asked /
+answered / failed / refused (`busy`, `too_many_queries`) / unanswered, TTFT p50/p95/p99, TBT
+p95, frames sent / processed / dropped by reason, effective fps per session, server CPU
+(cores, media workers included) and RSS. A PNG plot of TTFT and answered fraction against N
+goes next to the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from streamgrok.bench.live_client import PHOTOS, ClientResult, frame_bytes, live_client
+from streamgrok.bench.server_process import ServerProcess, settle
+from streamgrok.bench.timing import percentile
+
+
+@dataclass
+class Row:
+    """One N: what its clients saw and what the server used."""
+
+    clients: int
+    results: list[ClientResult]
+    seconds: float
+    cpu_cores: float
+    rss_mb: float
+
+    def ttft(self, q: float) -> float:
+        return percentile([t for r in self.results for t in r.ttfts], q)
+
+    @property
+    def tbt_p95(self) -> float:
+        return percentile([t for r in self.results for t in r.tbts], 95)
+
+    def total(self, name: str) -> int:
+        return sum(getattr(r, name) for r in self.results)
+
+    @property
+    def refused(self) -> Counter:
+        counts: Counter = Counter()
+        for r in self.results:
+            counts.update(r.refused)
+            if r.session_refused:
+                counts[f"session {r.session_refused}"] += 1
+        return counts
+
+    def drops(self) -> Counter:
+        counts: Counter = Counter()
+        for r in self.results:
+            counts.update({k: v for k, v in r.drops.items() if isinstance(v, int)})
+        return counts
+
+    @property
+    def processed(self) -> int:
+        return sum(r.stats.get("frames", {}).get("processed", 0) for r in self.results)
+
+    @property
+    def fps_per_session(self) -> float:
+        served = [r for r in self.results if r.stats]
+        if not served:
+            return float("nan")
+        return sum(r.stats.get("frames", {}).get("processed", 0) for r in served) \
+            / len(served) / self.seconds
+
+
+async def run_row(url: str, server: ServerProcess | None, clients: int, args) -> Row:
+    frames = [frame_bytes(i) for i in range(10 * len(PHOTOS))]
+    cpu_before = _cpu_seconds(server)
+    started = time.monotonic()
+    rss_peak = 0.0
+
+    async def sample_rss() -> None:
+        nonlocal rss_peak
+        while server is not None:
+            rss_peak = max(rss_peak, sum(server.rss_mb()))
+            await asyncio.sleep(0.5)
+
+    sampler = asyncio.create_task(sample_rss())
+    try:
+        results = await asyncio.gather(*(
+            live_client(url, f"n{clients}-c{i:02d}", frames, args.seconds, args.fps,
+                        args.question_every,
+                        offset=2.0 + args.question_every * i / clients,
+                        answer_timeout=args.answer_timeout)
+            for i in range(clients)))
+    finally:
+        sampler.cancel()
+    wall = time.monotonic() - started
+    cpu = (_cpu_seconds(server) - cpu_before) / wall if server is not None else float("nan")
+    return Row(clients, list(results), args.seconds, cpu, rss_peak or float("nan"))
+
+
+def _cpu_seconds(server: ServerProcess | None) -> float:
+    if server is None:
+        return 0.0
+    proc = psutil.Process(server.process.pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            times = p.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _ms(seconds: float) -> str:
+    return "n/a" if seconds != seconds else f"{seconds * 1e3:.0f}"
+
+
+def print_rows(rows: list[Row]) -> None:
+    print(f"\n{'N':>3} {'asked':>5} {'answered':>8} {'failed':>6} {'refused':>7} "
+          f"{'no-answer':>9} {'TTFT p50':>8} {'p95':>6} {'p99':>6} {'TBT p95':>7} "
+          f"{'frames sent':>11} {'processed':>9} {'fps/sess':>8} {'CPU cores':>9} "
+          f"{'RSS MB':>6}")
+    for row in rows:
+        print(f"{row.clients:3d} {row.total('asked'):5d} {row.total('answered'):8d} "
+              f"{row.total('failed'):6d} {sum(row.refused.values()):7d} "
+              f"{row.total('unanswered'):9d} {_ms(row.ttft(50)):>8} {_ms(row.ttft(95)):>6} "
+              f"{_ms(row.ttft(99)):>6} {_ms(row.tbt_p95):>7} {row.total('frames_sent'):11d} "
+              f"{row.processed:9d} {row.fps_per_session:8.2f} {row.cpu_cores:9.2f} "
+              f"{row.rss_mb:6.0f}")
+    print()
+    for row in rows:
+        drops = ", ".join(f"{k} {v}" for k, v in sorted(row.drops().items()) if v) or "none"
+        refused = ", ".join(f"{k} {v}" for k, v in sorted(row.refused.items())) or "none"
+        print(f"N={row.clients}: frames dropped by reason: {drops}; refused: {refused}")
+    base = rows[0]
+    for row in rows[1:]:
+        print(f"N={row.clients} vs N={base.clients}: TTFT p95 x{row.ttft(95) / base.ttft(95):.1f}"
+              f", answered {_fraction(row)} vs {_fraction(base)}")
+
+
+def _fraction(row: Row) -> str:
+    asked = row.total("asked")
+    return f"{row.total('answered')}/{asked}" if asked else "0/0"
+
+
+def plot(rows: list[Row], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    n = [r.clients for r in rows]
+    for q in (50, 95, 99):
+        left.plot(n, [r.ttft(q) for r in rows], marker="o", label=f"TTFT p{q}")
+    left.set_xlabel("live clients")
+    left.set_ylabel("seconds")
+    left.legend()
+    right.plot(n, [r.total("answered") / max(1, r.total("asked")) for r in rows], marker="o",
+               label="answered")
+    right.plot(n, [r.fps_per_session / max(1e-9, r.results[0].frames_sent / r.seconds)
+                   for r in rows], marker="o", label="processed / sent frames")
+    right.set_xlabel("live clients")
+    right.set_ylim(0, 1.05)
+    right.legend()
+    fig.tight_layout()
+    path = out / "live.png"
+    fig.savefig(path, dpi=100)
+    return path
+
+
+async def run_live(args) -> None:
+    server = None
+    url = args.url
+    if url is None:
+        server_args = [args.pipeline, "--kv-budget", str(args.kv_budget),
+                       "--kv-memory-gib", str(args.kv_memory_gib)]
+        if args.model:
+            server_args += ["--model", args.model]
+        for pair in args.set or []:
+            server_args += ["--set", pair]
+        server = ServerProcess(server_args)
+        await server.start()
+        url = f"ws://127.0.0.1:{server.port}/ws"
+        print(f"server pid {server.process.pid} on {url}")
+    rows = []
+    try:
+        for clients in [int(n) for n in args.clients.split(",")]:
+            print(f"N={clients}: {args.seconds:g} s at {args.fps:g} fps, a question every "
+                  f"{args.question_every:g} s", flush=True)
+            rows.append(await run_row(url, server, clients, args))
+            if server is not None:
+                await settle(server)
+    finally:
+        if server is not None:
+            await server.stop()
+    print_rows(rows)
+    print(f"plot: {plot(rows, Path(args.out))}")
+
+
+def run_live_bench(args) -> None:
+    """Entry point of `streamgrok bench live`."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    asyncio.run(run_live(args))

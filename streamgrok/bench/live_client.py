@@ -1,0 +1,163 @@
+"""A scripted live client for the server benchmarks: frames, PCM audio and questions over the
+documented websocket protocol, with what it saw (answers, TTFT, TBT, drops) recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import cv2
+import numpy as np
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from streamgrok.media.samples import photo
+from streamgrok.server.protocol import pack_media
+
+QUESTIONS = ["What is on screen right now?", "What has changed in the last seconds?",
+             "Describe the scene briefly.", "Is anybody there?"]
+PHOTOS = ["astronaut", "coffee", "cat", "chelsea", "rocket"]
+
+
+@dataclass
+class ClientResult:
+    """What one client saw."""
+
+    name: str
+    asked: int = 0
+    answered: int = 0  # response.done with a finish reason other than "error"
+    failed: int = 0  # answer_failed / response.done with finish_reason "error"
+    refused: Counter = field(default_factory=Counter)  # error code -> queries refused
+    unanswered: int = 0  # no response.done before the deadline
+    ttfts: list[float] = field(default_factory=list)
+    tbts: list[float] = field(default_factory=list)
+    frames_sent: int = 0
+    errors: Counter = field(default_factory=Counter)
+    stats: dict = field(default_factory=dict)  # the last `stats` message
+    session_refused: str | None = None  # error code when session.start was refused
+    handshake_failed: bool = False
+
+    @property
+    def drops(self) -> dict:
+        return self.stats.get("drops", {})
+
+
+def frame_bytes(index: int, size: tuple[int, int] = (320, 240)) -> bytes:
+    """A JPEG of a test photo (changing every 10 frames) with a red square moving across."""
+    image = photo(PHOTOS[(index // 10) % len(PHOTOS)], *size).copy()
+    x = (index * 17) % (size[0] - 40)
+    image[100:140, x : x + 40] = (220, 40, 40)  # something moves, so frames are not deduped
+    return cv2.imencode(".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR))[1].tobytes()
+
+
+def audio_bytes(seconds: float, seed: int) -> bytes:
+    """Room noise as 16 kHz PCM16 (what an open microphone sends between words)."""
+    noise = np.random.default_rng(seed).normal(0, 300, int(16000 * seconds))
+    return noise.astype("<i2").tobytes()
+
+
+class _Queries:
+    """Per-query timing: when asked, when the last delta came."""
+
+    def __init__(self, result: ClientResult) -> None:
+        self.result = result
+        self.asked_at: dict[str, float] = {}
+        self.last_delta: dict[str, float] = {}
+        self.open: set[str] = set()
+
+    def ask(self, query: str) -> None:
+        self.asked_at[query] = time.monotonic()
+        self.open.add(query)
+        self.result.asked += 1
+
+    def on_message(self, message: dict) -> None:
+        result = self.result
+        kind, query = message["type"], message.get("query_id")
+        now = time.monotonic()
+        if kind == "response.delta" and query in self.open:
+            if query in self.asked_at:
+                result.ttfts.append(now - self.asked_at.pop(query))
+            elif query in self.last_delta:
+                result.tbts.append(now - self.last_delta[query])
+            self.last_delta[query] = now
+        elif kind == "response.done" and query in self.open:
+            self.open.discard(query)
+            self.asked_at.pop(query, None)
+            self.last_delta.pop(query, None)
+            if message.get("finish_reason") == "error":
+                result.failed += 1
+            else:
+                result.answered += 1
+        elif kind == "error":
+            code = message["code"]
+            result.errors[code] += 1
+            refused = message.get("message_id")
+            if refused in self.open and code != "answer_failed":  # the query was refused
+                self.open.discard(refused)
+                self.asked_at.pop(refused, None)
+                result.refused[code] += 1
+        elif kind == "stats":
+            result.stats = message
+
+
+async def live_client(url: str, name: str, frames: list[bytes], seconds: float,
+                      fps: float, ask_every: float, offset: float,
+                      answer_timeout: float) -> ClientResult:
+    """Stream frames at `fps` and a second of audio a second, ask every `ask_every` s (first
+    after `offset` s); then wait up to `answer_timeout` s for the open answers."""
+    result = ClientResult(name)
+    queries = _Queries(result)
+    try:
+        ws = await asyncio.wait_for(connect(url, max_size=None), 30)
+    except (OSError, TimeoutError):
+        result.handshake_failed = True
+        return result
+    async with ws:
+        await ws.send(json.dumps({"type": "session.start", "id": name}))
+        first = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        if first["type"] == "error":
+            result.session_refused = first["code"]
+            return result
+
+        async def reader() -> None:
+            try:
+                async for raw in ws:
+                    queries.on_message(json.loads(raw))
+            except ConnectionClosed:
+                pass
+
+        reading = asyncio.create_task(reader())
+        start = time.monotonic()
+        next_ask = start + offset
+        next_frame = next_audio = start
+        try:
+            while (now := time.monotonic()) - start < seconds:
+                t = now - start
+                if now >= next_frame:
+                    await ws.send(pack_media("video.frame", 0, t,
+                                             frames[result.frames_sent % len(frames)]))
+                    result.frames_sent += 1
+                    next_frame += 1.0 / fps
+                if now >= next_audio:
+                    await ws.send(pack_media("audio.pcm16", 0, t,
+                                             audio_bytes(1.0, result.frames_sent)))
+                    next_audio += 1.0
+                if now >= next_ask:
+                    query = f"{name}-{result.asked}"
+                    queries.ask(query)
+                    await ws.send(json.dumps({"type": "query", "id": query,
+                                              "text": QUESTIONS[result.asked % len(QUESTIONS)]}))
+                    next_ask += ask_every
+                await asyncio.sleep(max(0.0, min(next_frame, next_audio, next_ask)
+                                        - time.monotonic()))
+            deadline = time.monotonic() + answer_timeout
+            while queries.open and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        except ConnectionClosed:
+            pass
+        result.unanswered = len(queries.open)
+        reading.cancel()
+    return result

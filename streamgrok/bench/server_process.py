@@ -1,0 +1,66 @@
+"""A `streamgrok serve` child process for the server benchmarks (soak, live)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import time
+import urllib.request
+
+import psutil
+
+
+class ServerProcess:
+    """`streamgrok serve` started as a child process on a free loopback port."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = args
+        self.process: asyncio.subprocess.Process | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "streamgrok", "serve", *self.args, "--port", "0",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        while True:
+            line = (await asyncio.wait_for(self.process.stdout.readline(), 600)).decode()
+            if not line:
+                raise RuntimeError("the server exited before it served")
+            if match := re.search(r"on http://127\.0\.0\.1:(\d+)/", line):
+                self.port = int(match.group(1))
+                asyncio.get_running_loop().create_task(self._drain_stdout())
+                return
+
+    async def _drain_stdout(self) -> None:
+        while await self.process.stdout.readline():
+            pass
+
+    def rss_mb(self) -> tuple[float, float]:
+        """(server process RSS, its media workers' RSS) in MB."""
+        proc = psutil.Process(self.process.pid)
+        workers = sum(c.memory_info().rss for c in proc.children(recursive=True))
+        return proc.memory_info().rss / 2**20, workers / 2**20
+
+    def metric(self, name: str) -> float:
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        return float(match.group(1)) if match else float("nan")
+
+    async def stop(self) -> int:
+        self.process.terminate()
+        return await asyncio.wait_for(self.process.wait(), 120)
+
+
+async def settle(server: ServerProcess, seconds: float = 30.0) -> None:
+    """Wait until the server holds no KV pages and no sessions (or time runs out)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        pages = await asyncio.to_thread(server.metric, "streamgrok_kv_pages_in_use")
+        sessions = await asyncio.to_thread(server.metric, "streamgrok_active_sessions")
+        if pages == 0 and sessions == 0:
+            return
+        await asyncio.sleep(0.5)
