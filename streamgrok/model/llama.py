@@ -164,6 +164,6 @@ class Transformer(nn.Module):
     def decode_read_bytes(self) -> int:
         """Bytes of weights one decode step reads: all except the unused embedding rows."""
         total = self.weight_bytes()
-        if not self.config.tie_embeddings:
+        if self.output.weight is not self.embed.weight:
             total -= self.embed.weight.numel() * self.embed.weight.element_size()
         return total

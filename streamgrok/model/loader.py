@@ -75,7 +75,22 @@ def build_model(
             )
     model.load_state_dict(state, assign=True, strict=True)
     model.tie_weights()
+    if torch.device(device).type == "cpu":
+        lay_out_for_cpu(model)
     return model.eval().requires_grad_(False)
+
+
+def lay_out_for_cpu(model: Transformer) -> None:
+    """Store every projection's weight [out, in] as the transpose of a contiguous [in, out]
+    matrix (same values, same shapes). MKL's GEMM for the few rows of a decode batch is
+    about 2x faster with the weight in that layout (batch 16: 22.6 vs 50.6 ms for 60 FFN
+    projections on 2 cores). A tied output head gets its own copy in that layout, since the
+    embedding lookup needs rows."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight
+            module.weight = torch.nn.Parameter(weight.detach().t().contiguous().t(),
+                                               requires_grad=False)
 
 
 def load_model(

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from streamgrok.pipeline.options import check_client_options
 from streamgrok.pipeline.pipeline import Pipeline
 from streamgrok.pipeline.resources import SharedResources
 from streamgrok.server.connection import ClientConnection
+from streamgrok.server.load import CpuMeter, LoadGovernor, LoadLimits, LoadReading
 from streamgrok.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ class ServerConfig:
     stats_interval_s: float = 2.0
     max_sessions: int = 32
     media_workers: int = 2  # processes for image decoding and OpenCV detectors
+    load_tick_s: float = 2.0  # how often the load governor measures and acts
+    load_limits: LoadLimits = field(default_factory=LoadLimits)
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight answers may finish
     static_dir: Path = STATIC_DIR
 
@@ -93,7 +97,11 @@ class StreamgrokServer:
                 self.resources.transcriber()
         self.cache_config = cache or CacheConfig()
         self.metrics = ServerMetrics(self.drops)
+        self.governor = LoadGovernor(self.resources.degradation, config.load_limits)
+        self.cpu = CpuMeter()
+        self._governing: asyncio.Task | None = None
         self.closed_drops: Counter = Counter()  # what finished sessions dropped
+        self.closed_frames = 0  # frames finished sessions received
         self.engine: Engine | None = None
         self.active_sessions = 0
         self.connections: set[ClientConnection] = set()
@@ -125,10 +133,41 @@ class StreamgrokServer:
             max_size=4 * self.config.max_message_bytes, max_queue=32,
             server_header="streamgrok",
         )
+        self._governing = asyncio.create_task(self._govern())
         return self.server
+
+    async def _govern(self) -> None:
+        """Measure the load every tick and let the governor degrade, restore or refuse."""
+        received = stale = 0
+        self.cpu.read()
+        while True:
+            await asyncio.sleep(self.config.load_tick_s)
+            drops = self.drops()
+            frames = sum(c.frame_index for c in self.connections) + self.closed_frames
+            new_stale = drops.get("frames_stale", 0) - stale
+            new_frames = frames - received
+            received, stale = frames, drops.get("frames_stale", 0)
+            now = time.monotonic()
+            waited = max((c.oldest_wait(now) for c in self.connections), default=0.0)
+            self.governor.tick(LoadReading(
+                cpu=self.cpu.read(),
+                ttft_s=max(self.governor.recent_ttft(now), waited),
+                stale=new_stale / new_frames if new_frames > 0 else 0.0,
+                sessions=self.active_sessions,
+            ))
+            self.metrics.degraded.set(self.resources.degradation.fps_scale)
+
+    def admission(self) -> str:
+        """Why a new session is refused now (`busy`), or empty when there is room."""
+        if self.active_sessions >= self.config.max_sessions:
+            return f"the server is configured for at most {self.config.max_sessions} sessions"
+        refused = self.governor.refusal(self.active_sessions)
+        return f"the server is at its sustainable load: {refused}" if refused else ""
 
     async def stop(self) -> None:
         """Close every connection and stop the engine and media workers (idempotent)."""
+        if self._governing is not None:
+            self._governing.cancel()
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
@@ -146,6 +185,7 @@ class StreamgrokServer:
 
     def session_ended(self, connection: ClientConnection) -> None:
         self.closed_drops.update(connection.drops())
+        self.closed_frames += connection.frame_index
 
     @property
     def port(self) -> int:

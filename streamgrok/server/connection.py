@@ -78,6 +78,12 @@ class ClientConnection:
             await self._end_session()
             writer.cancel()
 
+    def oldest_wait(self, now: float) -> float:
+        """How long the oldest question of this client has waited for its first token."""
+        waits = [now - a.metrics.asked_at for a in self.answers.values()
+                 if not a.finished and a.metrics.first_token_at is None]
+        return max(waits, default=0.0)
+
     def answers_in_flight(self) -> int:
         return sum(1 for answer in self.answers.values() if not answer.finished)
 
@@ -142,8 +148,10 @@ class ClientConnection:
     async def _start(self, message: dict) -> None:
         if self.runner is not None:
             raise ProtocolError("session_exists", "session.start sent twice", message.get("id"))
-        if self.server.active_sessions >= self.config.max_sessions:
-            raise ProtocolError("busy", "the server has no room for another session")
+        refused = self.server.admission()
+        if refused:
+            self.server.metrics.refused.inc()
+            raise ProtocolError("busy", refused, message.get("id"))
         pipeline = self.server.session_pipeline(message.get("options"))
         runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)],
                                 resources=self.server.resources)
@@ -268,6 +276,8 @@ class ClientConnection:
                 self.send("response.delta", query_id=_query_id(item), delta=item.text)
             case DoneEvent():
                 self.server.metrics.observe_answer(item.metrics)
+                if item.metrics.get("ttft_ms") is not None:
+                    self.server.governor.record_ttft(item.metrics["ttft_ms"] / 1e3)
                 self.send("response.done", query_id=_query_id(item), text=item.text,
                           **item.metrics)
             case ErrorEvent(answer_id=int()):  # that answer failed, nothing else

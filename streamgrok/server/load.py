@@ -1,0 +1,139 @@
+"""The server's sustainable load: measured, then enforced by thinning live media and refusing
+new sessions.
+
+Every tick the governor reads what the server measures: the CPU the server process and its
+media workers use against the machine's cores, the time to first token of recent answers
+(and how long the oldest question has waited for one), and the share of live frames that went
+stale before they could be processed. Over the limits, live sessions degrade first: their
+sampling rate halves (down to `min_fps_scale`) and the costly detectors run that much less
+often. Well under them for a while, the rate doubles back. Still over at the lowest rate, new
+sessions are refused `busy`, and so is one whose share of the CPU would push past the limit.
+A session that leaves frees its share at the next tick.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import psutil
+
+from streamgrok.engine.metrics import percentile
+from streamgrok.pipeline.degradation import Degradation
+
+
+@dataclass(frozen=True)
+class LoadLimits:
+    """When the server counts as overloaded (any one) and as calm (all)."""
+
+    cpu_high: float = 0.90  # fraction of all cores
+    cpu_low: float = 0.65
+    ttft_target_s: float = 2.0
+    stale_high: float = 0.25  # fraction of live frames that went stale
+    stale_low: float = 0.05
+    min_fps_scale: float = 0.25
+    calm_ticks: int = 3  # calm ticks in a row before the rate doubles back
+    ttft_window_s: float = 20.0
+
+
+@dataclass
+class LoadReading:
+    """One tick's measurements."""
+
+    cpu: float  # fraction of all cores
+    ttft_s: float  # p95 of recent first tokens, or the oldest wait for one, if longer
+    stale: float  # fraction of live frames that went stale since the last tick
+    sessions: int
+
+
+@dataclass
+class LoadGovernor:
+    """Owns the live `degradation` level and the admission decision (event-loop only)."""
+
+    degradation: Degradation
+    limits: LoadLimits = field(default_factory=LoadLimits)
+    last: LoadReading | None = None
+    refusing: str = ""  # why new sessions are refused now, empty when admitted
+    _calm: int = 0
+    _ttfts: deque = field(default_factory=deque)  # (when, seconds)
+
+    def record_ttft(self, seconds: float, now: float | None = None) -> None:
+        self._ttfts.append((time.monotonic() if now is None else now, seconds))
+
+    def recent_ttft(self, now: float) -> float:
+        while self._ttfts and now - self._ttfts[0][0] > self.limits.ttft_window_s:
+            self._ttfts.popleft()
+        return percentile([s for _, s in self._ttfts], 95) if self._ttfts else 0.0
+
+    def tick(self, reading: LoadReading) -> None:
+        """Apply one tick's measurements to the degradation level and admission."""
+        self.last = reading
+        limits, level = self.limits, self.degradation
+        over = self._overload(reading)
+        if over:
+            self._calm = 0
+            if level.fps_scale > limits.min_fps_scale:
+                level.fps_scale = max(limits.min_fps_scale, level.fps_scale / 2)
+            level.reason = over
+            self.refusing = over if level.fps_scale <= limits.min_fps_scale else ""
+            return
+        self.refusing = ""
+        calm = reading.cpu < limits.cpu_low and reading.stale < limits.stale_low \
+            and reading.ttft_s < limits.ttft_target_s / 2
+        self._calm = self._calm + 1 if calm else 0
+        if self._calm >= limits.calm_ticks and level.degraded:
+            self._calm = 0
+            level.fps_scale = min(1.0, level.fps_scale * 2)
+            level.reason = "" if not level.degraded else level.reason
+
+    def refusal(self, sessions: int) -> str:
+        """Why a new session must be refused now (empty: admit it)."""
+        if self.refusing:
+            return self.refusing
+        last = self.last
+        if last is None or sessions == 0 or last.sessions == 0:
+            return ""
+        at_floor = self.degradation.fps_scale <= self.limits.min_fps_scale
+        projected = last.cpu * (sessions + 1) / last.sessions
+        if at_floor and projected > self.limits.cpu_high:
+            return (f"one more session would need {projected:.0%} of the CPU at the lowest "
+                    "live sampling rate")
+        return ""
+
+    def _overload(self, reading: LoadReading) -> str:
+        limits = self.limits
+        if reading.ttft_s > limits.ttft_target_s:
+            return f"time to first token {reading.ttft_s:.1f} s > {limits.ttft_target_s:g} s"
+        if reading.cpu > limits.cpu_high:
+            return f"CPU at {reading.cpu:.0%} of the cores"
+        if reading.stale > limits.stale_high:
+            return f"{reading.stale:.0%} of live frames went stale"
+        return ""
+
+
+class CpuMeter:
+    """CPU used by this process and its child processes (media workers, demuxers) between
+    two reads, as a fraction of all the machine's cores."""
+
+    def __init__(self) -> None:
+        self.process = psutil.Process()
+        self.cores = psutil.cpu_count() or 1
+        self._last: tuple[float, float] | None = None
+
+    def read(self) -> float:
+        now, used = time.monotonic(), self._cpu_seconds()
+        last, self._last = self._last, (now, used)
+        if last is None or now <= last[0]:
+            return 0.0
+        return max(0.0, used - last[1]) / (now - last[0]) / self.cores
+
+    def _cpu_seconds(self) -> float:
+        total = 0.0
+        for process in [self.process, *self.process.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:  # a worker that just exited
+                continue
+            total += times.user + times.system
+        return total
