@@ -83,7 +83,7 @@ def tiny_loaded(tmp_path_factory):
 
 async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp_path):
     config = ServerConfig("pipelines/live_qa.py", port=0, stats_interval_s=0.5,
-                          pipeline_options={"transcribe": "false"})
+                          pipeline_options={"transcribe": "false"}, load_tick_s=None)
     server = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512,
                                                                memory_gib=0.05))
     await server.start()

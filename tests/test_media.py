@@ -240,3 +240,97 @@ def test_probe_source_names_what_is_wrong_before_any_model_loads(tmp_path, clip)
             probe_source(str(path))
     # the command line fails fast with a clear message and a non-zero exit
     assert main(["run", "pipelines/live_qa.py", "--source", str(empty), "--ask", "hi"]) == 2
+
+
+def test_costly_detectors_run_on_cuts_motion_and_refresh_only():
+    from streamgrok.media.observers import DetectionSchedule
+
+    schedule = DetectionSchedule(min_interval_s=2.0, max_interval_s=10.0, motion=0.05)
+    assert schedule.due(0.0, None, 0.0, False)  # never ran
+    assert not schedule.due(1.0, 0.0, 0.5, False)  # motion, but within the minimum interval
+    assert schedule.due(2.5, 0.0, 0.5, False)  # motion after it
+    assert not schedule.due(9.0, 0.0, 0.01, False)  # still picture
+    assert schedule.due(10.0, 0.0, 0.01, False)  # refresh
+    assert schedule.due(0.5, 0.0, 0.0, True)  # a scene cut always
+    schedule.stretch = 4.0  # the server under load
+    assert not schedule.due(5.0, 0.0, 0.5, False) and schedule.due(8.0, 0.0, 0.5, False)
+    assert not schedule.due(39.0, 0.0, 0.0, False) and schedule.due(40.0, 0.0, 0.0, False)
+
+
+class CountingDetectors:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def detect(self, image, faces, people):
+        self.calls += 1
+        return 1, 0
+
+
+def test_observer_reuses_the_last_counts_between_detections():
+    detectors = CountingDetectors()
+    observer = FrameObserver(detectors)
+    still = photo("coffee", 320, 240)
+    notes = [observer.observe(VideoFrame(still, float(t), t)) for t in range(12)]
+    assert detectors.calls == 2  # t=0 and the 10 s refresh
+    assert observer.stats.frames == 12 and observer.stats.skipped == 10
+    assert "1 face" in notes[0].text and notes[0].state_key == "observer"
+
+
+async def test_a_live_frame_past_its_freshness_bound_is_dropped_before_any_work():
+    import time
+
+    from streamgrok.media.items import Watermark
+    from streamgrok.pipeline.ingest import IngestStats
+    from streamgrok.pipeline.ingest_stages import ObserveFrames
+    from streamgrok.pipeline.stage import run_chain
+
+    detectors = CountingDetectors()
+    stats = IngestStats()
+    stage = ObserveFrames(FrameObserver(detectors), stats, max_age_s=1.0)
+    old = VideoFrame(photo("coffee", 320, 240), 0.0, 0, arrived=time.monotonic() - 5.0)
+    fresh = VideoFrame(photo("coffee", 320, 240), 1.0, 1)
+    out, _ = await run_chain([stage], [old, fresh])
+    assert isinstance(out[0], Watermark) and out[0].pts == 0.0
+    assert stats.stale_dropped == 1 and detectors.calls == 1
+    assert out[-1] is fresh
+
+
+async def test_degradation_thins_live_sampling():
+    from streamgrok.pipeline.degradation import Degradation
+    from streamgrok.pipeline.ingest import IngestStats
+    from streamgrok.pipeline.ingest_stages import SampleFrames
+    from streamgrok.pipeline.stage import run_chain
+
+    level = Degradation()
+    stage = SampleFrames(2.0, IngestStats(), level)
+    image = np.zeros((32, 32, 3), np.uint8)
+    frames = [VideoFrame(image, t / 10, t) for t in range(100)]  # 10 s at 10 fps
+    out, _ = await run_chain([stage], frames[:50])
+    assert sum(isinstance(i, VideoFrame) for i in out) == 10  # 2 fps
+    level.fps_scale = 0.25
+    out, _ = await run_chain([stage], frames[50:])
+    assert sum(isinstance(i, VideoFrame) for i in out) == 3  # 0.5 fps: every 2 s of 5 s
+
+
+@pytest.mark.skipif(shutil.which("espeak-ng") is None,
+                    reason="espeak-ng is not installed (make test installs it with apt-get)")
+def test_vad_finds_the_same_speech_whatever_the_chunk_sizes(tmp_path):
+    from streamgrok.media.audio import SpeechDetector, SpeechModel
+
+    path = write_clip(tmp_path / "speech.mp4",
+                      [Scene(None, 1.0), Scene(None, 3.0, speech="Turn left at the gate."),
+                       Scene(None, 1.0)])
+    samples = np.concatenate([c.samples for c in decode_container(str(path), video=False)])
+    model = SpeechModel()
+
+    def segments(chunk: int) -> list[tuple[float, float]]:
+        detector = SpeechDetector(model)
+        found = []
+        for start in range(0, samples.shape[0], chunk):
+            found += detector.feed(AudioChunk(samples[start : start + chunk], start / 16000))
+        found += detector.flush()
+        return [(round(s.start, 3), round(s.end, 3)) for s in found]
+
+    whole = segments(samples.shape[0])
+    assert len(whole) == 1 and 0.9 <= whole[0][0] <= 1.7
+    assert segments(16000) == whole and segments(777) == whole

@@ -106,7 +106,8 @@ async def test_a_live_connection_stays_usable_under_fuzzed_messages(fuzz_loaded)
     from streamgrok.server.app import ServerConfig, StreamgrokServer
 
     config = ServerConfig("pipelines/live_qa.py", port=0, max_media_per_second=1000,
-                          pipeline_options={"transcribe": "false"}, stats_interval_s=60)
+                          pipeline_options={"transcribe": "false"}, stats_interval_s=60,
+                          load_tick_s=None)
     server = StreamgrokServer(fuzz_loaded, config, CacheConfig(budget_tokens=512,
                                                                memory_gib=0.05))
     await server.start()

@@ -4,6 +4,7 @@ sampled tokens on a real page pool."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 from helpers import tiny_config
@@ -204,3 +205,50 @@ def test_cancelling_mid_prefill_ends_the_answer_and_frees_its_pages():
     assert events[-1] == AnswerDone(answer.metrics) and answer.metrics.finish_reason == "cancelled"
     assert scheduler.cache.pool.free_pages == free
     assert answer.seq_id not in scheduler.cache.sequences
+
+
+# -- answers first under a live backlog -------------------------------------------------------
+
+
+def test_a_question_behind_a_deep_live_backlog_is_answered_within_a_bounded_number_of_steps():
+    """64 live frames of 32 tokens wait in front of the question: the stale ones are dropped
+    (counted), the question's session is fed first, and the first token comes within a few
+    steps whatever the backlog."""
+    scheduler = new_scheduler(step_tokens=64, media_freshness_s=1.0, frame_queue=64)
+    busy = [registered(scheduler, i) for i in (1, 2, 3)]
+    asking = registered(scheduler, 4)
+    old = time.monotonic() - 10.0  # queued 10 s ago: past the freshness bound
+    for state in [*busy, asking]:
+        state.pending.frame_capacity = 100
+        for t in range(64):
+            item = frame(32, t)
+            item.queued_at = old
+            state.pending.put(item)
+    fresh = frame(32, 64)
+    asking.pending.put(fresh)
+    answer, events = question(asking, prompt_len=5)
+    for steps in range(1, 6):
+        run_step(scheduler)
+        if events:
+            break
+    assert events and isinstance(events[0], AnswerDelta), "no first token within 5 steps"
+    assert asking.pending.dropped["stale"] == 64  # the backlog went, counted by reason
+    assert fresh.done == len(fresh)  # the fresh frame was prefilled before the question
+    assert scheduler.snapshot()["dropped"]["stale"] == 4 * 64
+
+
+def test_a_newer_state_note_replaces_a_waiting_one_and_text_is_never_dropped():
+    queue = PendingQueue(8, 4096)
+    text = AppendItem(TokenInfo.text(3), torch.zeros(3, dtype=torch.long))
+    first = AppendItem(TokenInfo.text(3), torch.zeros(3, dtype=torch.long), state_key="observer")
+    queue.put(text)
+    queue.put(first)
+    second = AppendItem(TokenInfo.text(3), torch.zeros(3, dtype=torch.long),
+                        state_key="observer")
+    assert queue.put(second) == [first]
+    first_claimed = queue.claim(100)
+    assert [item for item, _, _ in first_claimed] == [text, second]
+    third = AppendItem(TokenInfo.text(3), torch.zeros(3, dtype=torch.long), state_key="observer")
+    assert queue.put(third) == []  # `second` is being prefilled: it finishes
+    assert queue.drop_stale(0.0, time.monotonic() + 100) == 0  # not live frames
+    assert dict(queue.dropped) == {"superseded": 1}

@@ -30,8 +30,10 @@ def tiny_loaded(tmp_path_factory):
 
 @pytest.fixture
 async def server(tiny_loaded):
+    # the load governor is driven by hand in its own test: measured load on a busy test
+    # machine must not refuse the other tests' sessions
     config = ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
-                          stats_interval_s=0.2, max_media_per_second=50)
+                          stats_interval_s=0.2, max_media_per_second=50, load_tick_s=None)
     srv = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512,
                                                             memory_gib=0.05))
     await srv.start()
@@ -367,3 +369,66 @@ async def test_pushed_container_stream_is_decoded_in_its_own_process(server, web
         await ws.send(json.dumps({"type": "query", "id": "after", "text": "still there?"}))
         done, _ = await recv_until(ws, "response.done")
         assert done["query_id"] == "after"
+
+
+async def test_drops_reach_stats_and_metrics_by_reason(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with connect(url(server)) as ws:
+        await start(ws)
+        for i in range(80):  # over the 50 media messages a second the server takes
+            await ws.send(pack_media("audio.pcm16", 0, i / 100, b"\x00\x00" * 160))
+        while True:
+            stats, _ = await recv_until(ws, "stats")
+            if stats["drops"]["rate_limited"]:
+                break
+        assert {"frames", "frames_stale", "frames_queue", "frames_full", "frames_duplicate",
+                "notes_superseded", "outbound"} <= stats["drops"].keys()
+        assert stats["load"] == {"requested_fps": 1.0, "fps": 1.0, "degraded": False,
+                                 "reason": ""}
+        _, text = await asyncio.to_thread(fetch, server, "/metrics")
+        dropped = {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
+                   if f.name == "streamgrok_dropped" for s in f.samples}
+        assert dropped["rate_limited"] >= stats["drops"]["rate_limited"] > 0
+    _, text = await asyncio.to_thread(fetch, server, "/metrics")
+    assert 'streamgrok_dropped_total{reason="rate_limited"}' in text  # kept after it left
+
+
+async def test_busy_past_capacity_and_a_session_that_leaves_frees_it(tiny_loaded):
+    from streamgrok.server.load import LoadReading
+
+    config = ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
+                          stats_interval_s=0.2, max_sessions=3, load_tick_s=None)
+    srv = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512, memory_gib=0.05))
+    await srv.start()
+    try:
+        async with connect(url(srv)) as first, connect(url(srv)) as second, \
+                connect(url(srv)) as extra:
+            for ws in (first, second, extra):
+                await start(ws)
+            async with connect(url(srv)) as third:  # over max_sessions
+                await third.send(json.dumps({"type": "session.start", "id": "s3"}))
+                error, _ = await recv_until(third, "error")
+                assert error["code"] == "busy" and "at most 3 sessions" in error["message"]
+            await extra.send(json.dumps({"type": "session.end"}))
+            await recv_until(extra, "session.ended")
+            await second.send(json.dumps({"type": "session.end"}))
+            await recv_until(second, "session.ended")
+            overloaded = LoadReading(cpu=0.99, ttft_s=0.1, stale=0.0, sessions=1)
+            srv.governor.tick(overloaded)  # the measured load: live sampling degrades first
+            stats, _ = await recv_until(first, "stats")
+            assert stats["load"]["degraded"] and stats["load"]["fps"] == 0.5
+            assert "CPU" in stats["load"]["reason"]
+            async with connect(url(srv)) as fourth:  # degraded, not yet refusing
+                await start(fourth)
+            srv.governor.tick(overloaded)
+            srv.governor.tick(overloaded)  # at the lowest rate and still over: busy
+            async with connect(url(srv)) as fifth:
+                await fifth.send(json.dumps({"type": "session.start", "id": "s5"}))
+                error, _ = await recv_until(fifth, "error")
+                assert error["code"] == "busy" and "sustainable load" in error["message"]
+            srv.governor.tick(LoadReading(cpu=0.2, ttft_s=0.1, stale=0.0, sessions=1))
+            async with connect(url(srv)) as sixth:  # the load fell: admitted again
+                await start(sixth)
+    finally:
+        await srv.stop()

@@ -135,7 +135,12 @@ def print_rows(rows: list[Row]) -> None:
     for row in rows:
         drops = ", ".join(f"{k} {v}" for k, v in sorted(row.drops().items()) if v) or "none"
         refused = ", ".join(f"{k} {v}" for k, v in sorted(row.refused.items())) or "none"
-        print(f"N={row.clients}: frames dropped by reason: {drops}; refused: {refused}")
+        latency = next((r.stats["latency"] for r in row.results if r.stats), {})
+        load = next((r.stats["load"] for r in row.results if r.stats), {})
+        print(f"N={row.clients}: frames dropped by reason: {drops}; refused: {refused}; engine "
+              f"step p50 {latency.get('step_ms_p50', float('nan')):.0f} ms, p95 "
+              f"{latency.get('step_ms_p95', float('nan')):.0f} ms; live fps at the end "
+              f"{load.get('fps', float('nan')):.2f} ({load.get('reason') or 'not degraded'})")
     base = rows[0]
     for row in rows[1:]:
         print(f"N={row.clients} vs N={base.clients}: TTFT p95 x{row.ttft(95) / base.ttft(95):.1f}"

@@ -1,4 +1,5 @@
-"""`streamgrok bench media`: decode rate, CLIP rate, dedup ratios, end-to-end ingest rate.
+"""`streamgrok bench media`: decode rate, CLIP rate, dedup ratios, per-frame observer cost
+(each detector, and every frame vs the adaptive schedule), end-to-end ingest rate.
 
 CLIP speed does not depend on the weights, so without configured weights this benchmark uses
 random ones and says so.
@@ -11,11 +12,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import cv2
 import torch
 
 from streamgrok.media.clip import ClipEncoder, ClipWeightsMissing
 from streamgrok.media.decode import decode_container
 from streamgrok.media.items import VideoFrame
+from streamgrok.media.native_worker import Detectors
+from streamgrok.media.observers import DetectionSchedule, FrameObserver
 from streamgrok.media.projector import Projector
 from streamgrok.media.samples import DEMO_SCENES, Scene, write_clip
 from streamgrok.media.sampling import PixelDedup, RateSampler
@@ -70,6 +74,8 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0) -> dict:
             results[f"clip_b{batch}_fps"] = rate
             print(f"CLIP       {label} batch {batch:>2}: {rate:6.1f} frames/s")
 
+        results.update(observer_costs(images, busy))
+
         projector = Projector(encoder.dim, 576, tokens=1)
         for with_clip in (False, True):
             ingest = Ingest(IngestConfig(fps=fps, transcribe=True),
@@ -88,4 +94,42 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0) -> dict:
             print(f"ingest     {name:<20} {ingest.stats.sampled_frames / wall:6.1f} sampled "
                   f"frames/s, {items} items, {stream_s:.0f} s of stream in {wall:.1f} s = "
                   f"{realtime:.1f}x real time -> ~{int(realtime)} live {fps:g}-fps streams")
+    return results
+
+
+def observer_costs(images: list, busy_clip: Path, repeats: int = 5) -> dict:
+    """Per-frame cost of each observer part on one core, and what the adaptive detection
+    schedule makes of it on a busy clip (cuts and a moving square every frame)."""
+    detectors = Detectors()
+    image = images[0]
+    results = {}
+
+    def per_frame(fn) -> float:
+        fn()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - started) / repeats
+
+    small = cv2.resize(image, (320, 240))
+    for name, frame in (("320x240", small), ("640x360", image)):
+        faces = per_frame(lambda f=frame: detectors.detect(f, True, False))
+        people = per_frame(lambda f=frame: detectors.detect(f, False, True))
+        results[f"haar_{name}_ms"], results[f"hog_{name}_ms"] = faces * 1e3, people * 1e3
+        print(f"observer   {name} frame: Haar faces {faces * 1e3:6.1f} ms, HOG people "
+              f"{people * 1e3:6.1f} ms per frame (one core)")
+    for label, schedule in (("every frame", DetectionSchedule(0.0, 0.0)),
+                            ("adaptive", DetectionSchedule())):
+        observer = FrameObserver(detectors, schedule=schedule)
+        sampler = RateSampler(1.0)
+        for item in decode_container(str(busy_clip), audio=False):
+            if isinstance(item, VideoFrame) and sampler.keep(item):
+                observer.observe(item)
+        stats = observer.stats
+        cost = (stats.detect_seconds + stats.other_seconds) / max(1, stats.frames)
+        results[f"observer_{label}_ms"] = cost * 1e3
+        print(f"observer   {label:<11} on the busy clip at 1 fps: detectors ran on "
+              f"{stats.detections}/{stats.frames} frames, {cost * 1e3:6.1f} ms per frame "
+              f"({stats.other_seconds / max(1, stats.frames) * 1e3:.1f} ms of it motion, "
+              "colours and resizing)")
     return results

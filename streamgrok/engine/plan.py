@@ -128,11 +128,14 @@ class Planner:
         ]
         feeding = _rotate(feeding, self._prefill_turn)
         self._prefill_turn += 1
-        feeding.sort(key=lambda s: not s.pending.question_waiting())  # stable: turns kept
+        asking = {s.seq_id for s in feeding if s.pending.question_waiting()}
+        feeding.sort(key=lambda s: s.seq_id not in asking)  # stable: the turns stay
         for i, session in enumerate(feeding):
             if budget <= 0:
                 break
-            share = max(self.config.min_prefill_share, budget // (len(feeding) - i))
+            # a session with a question waiting takes what it needs, the others share
+            share = budget if session.seq_id in asking else \
+                max(self.config.min_prefill_share, budget // (len(feeding) - i))
             span = _media_span(session, min(share, budget))
             if span is None:
                 continue

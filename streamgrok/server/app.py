@@ -58,7 +58,7 @@ class ServerConfig:
     stats_interval_s: float = 2.0
     max_sessions: int = 32
     media_workers: int = 2  # processes for image decoding and OpenCV detectors
-    load_tick_s: float = 2.0  # how often the load governor measures and acts
+    load_tick_s: float | None = 2.0  # how often the load governor measures (None: never)
     load_limits: LoadLimits = field(default_factory=LoadLimits)
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight answers may finish
     static_dir: Path = STATIC_DIR
@@ -133,7 +133,8 @@ class StreamgrokServer:
             max_size=4 * self.config.max_message_bytes, max_queue=32,
             server_header="streamgrok",
         )
-        self._governing = asyncio.create_task(self._govern())
+        if self.config.load_tick_s is not None:
+            self._governing = asyncio.create_task(self._govern())
         return self.server
 
     async def _govern(self) -> None:

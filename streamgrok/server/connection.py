@@ -358,7 +358,7 @@ class ClientConnection:
             "frames_queue": ingest.queue_dropped if ingest else 0,
             "frames_stale": (ingest.stale_dropped if ingest else 0) + engine.get("stale", 0),
             "frames_full": engine.get("full", 0),
-            "frames_rate_limited": self.rate_limited,
+            "rate_limited": self.rate_limited,
             "notes_superseded": engine.get("superseded", 0),
             "outbound": self.dropped_outbound,
         }
@@ -385,6 +385,7 @@ class ClientConnection:
             return
         runner, self.runner = self.runner, None
         self._ended = runner
+        self.server.session_ended(self)  # its drops move to the server's totals at once
         if self.container is not None:
             await self.container.stop()
         self.video_in.close()
@@ -397,7 +398,6 @@ class ClientConnection:
             await runner.session.close()
         self.server.active_sessions -= 1
         self.server.metrics.sessions.set(self.server.active_sessions)
-        self.server.session_ended(self)
 
 
 def _query_id(event: DeltaEvent | DoneEvent | ErrorEvent) -> Any:

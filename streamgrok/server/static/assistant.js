@@ -79,7 +79,7 @@ function addEvent(text, kind) {
 }
 
 const DROP_NAMES = {frames_duplicate: "duplicate", frames_queue: "queue full",
-  frames_stale: "stale", frames_full: "engine queue full", frames_rate_limited: "rate-limited",
+  frames_stale: "stale", frames_full: "engine queue full", rate_limited: "rate-limited",
   notes_superseded: "notes superseded", outbound: "messages"};
 
 function dropsText(s) {
