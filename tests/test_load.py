@@ -5,7 +5,9 @@ from __future__ import annotations
 from streamgrok.pipeline.degradation import Degradation
 from streamgrok.server.load import LoadGovernor, LoadLimits, LoadReading
 
-CALM = LoadReading(cpu=0.3, ttft_s=0.4, stale=0.0, sessions=4)
+
+def reading(cpu=0.3, engine=0.3, ttft_s=0.4, stale=0.0, sessions=4) -> LoadReading:
+    return LoadReading(cpu=cpu, engine=engine, ttft_s=ttft_s, stale=stale, sessions=sessions)
 
 
 def governor() -> LoadGovernor:
@@ -14,12 +16,12 @@ def governor() -> LoadGovernor:
 
 def test_overload_degrades_live_sampling_first_then_refuses_new_sessions():
     gov = governor()
-    slow = LoadReading(cpu=0.5, ttft_s=5.0, stale=0.0, sessions=16)
+    slow = reading(cpu=0.5, engine=0.4, ttft_s=5.0, sessions=4)
     gov.tick(slow)
     assert gov.degradation.fps_scale == 0.5 and "first token" in gov.degradation.reason
-    assert gov.refusal(16) == ""  # degrading first: new sessions still come in
+    assert gov.admit(4) == ""  # degrading first: new sessions still come in
     gov.tick(slow)
-    assert gov.degradation.fps_scale == 0.25 and gov.refusal(16)  # at the floor: busy
+    assert gov.degradation.fps_scale == 0.25 and "first token" in gov.admit(4)  # busy
     gov.tick(slow)
     assert gov.degradation.fps_scale == 0.25  # never below the floor
 
@@ -27,31 +29,41 @@ def test_overload_degrades_live_sampling_first_then_refuses_new_sessions():
 def test_calm_restores_the_rate_step_by_step_and_admits_again():
     gov = governor()
     for _ in range(2):
-        gov.tick(LoadReading(cpu=0.97, ttft_s=0.5, stale=0.0, sessions=8))
-    assert gov.refusal(8).startswith("CPU at 97%")
-    gov.tick(CALM)  # a session left: no longer over, admitted, but not restored at once
-    assert gov.refusal(4) == ""
+        gov.tick(reading(cpu=0.97, sessions=8))
+    assert gov.admit(8).startswith("CPU at 97%")
+    calm = reading(cpu=0.3, engine=0.3, sessions=4)
+    gov.tick(calm)  # sessions left: no longer over, admitted, but not restored at once
+    assert gov.admit(4) == ""
     assert gov.degradation.fps_scale == 0.25
-    gov.tick(CALM)
+    gov.tick(calm)
     assert gov.degradation.fps_scale == 0.5
-    gov.tick(CALM)
-    gov.tick(CALM)
+    gov.tick(calm)
+    gov.tick(calm)
     assert gov.degradation.fps_scale == 1.0 and not gov.degradation.degraded
     assert gov.degradation.reason == ""
 
 
 def test_stale_frames_count_as_overload():
     gov = governor()
-    gov.tick(LoadReading(cpu=0.4, ttft_s=0.3, stale=0.6, sessions=8))
+    gov.tick(reading(stale=0.6, sessions=8))
     assert gov.degradation.fps_scale == 0.5 and "stale" in gov.degradation.reason
 
 
-def test_a_session_that_would_not_fit_at_the_lowest_rate_is_refused():
+def test_many_sessions_at_once_are_admitted_up_to_the_learned_cost_then_refused():
+    """One session was measured taking 10% of the engine: of 20 clients connecting together,
+    the 9th onwards first degrade live sampling, and once it is at its lowest, get busy."""
     gov = governor()
-    gov.degradation.fps_scale = 0.25
-    gov.tick(LoadReading(cpu=0.85, ttft_s=0.3, stale=0.0, sessions=8))
-    assert "one more session" in gov.refusal(8)  # 0.85 * 9 / 8 > 0.9
-    assert gov.refusal(4) == ""  # four left: 0.85 * 5 / 8 fits
+    gov.tick(reading(cpu=0.05, engine=0.1, sessions=1))
+    admitted, refused = 0, []
+    for _ in range(20):
+        why = gov.admit(admitted)
+        if why:
+            refused.append(why)
+        else:
+            admitted += 1
+    assert admitted == 10 and len(refused) == 10  # 8 fit; 2 more while degrading to 0.25
+    assert "of the engine" in refused[0] and gov.degradation.fps_scale == 0.25
+    assert gov.admit(3) == ""  # sessions that leave free their share at once
 
 
 def test_recent_first_tokens_are_a_sliding_window():

@@ -227,7 +227,7 @@ def test_a_question_behind_a_deep_live_backlog_is_answered_within_a_bounded_numb
     fresh = frame(32, 64)
     asking.pending.put(fresh)
     answer, events = question(asking, prompt_len=5)
-    for steps in range(1, 6):
+    for _ in range(5):
         run_step(scheduler)
         if events:
             break

@@ -140,6 +140,7 @@ class StreamgrokServer:
     async def _govern(self) -> None:
         """Measure the load every tick and let the governor degrade, restore or refuse."""
         received = stale = 0
+        busy, busy_at = self.engine.snapshot()["busy_seconds"], time.monotonic()
         self.cpu.read()
         while True:
             await asyncio.sleep(self.config.load_tick_s)
@@ -150,8 +151,12 @@ class StreamgrokServer:
             received, stale = frames, drops.get("frames_stale", 0)
             now = time.monotonic()
             waited = max((c.oldest_wait(now) for c in self.connections), default=0.0)
+            engine_busy = self.engine.snapshot()["busy_seconds"]
+            engine = (engine_busy - busy) / max(1e-9, now - busy_at)
+            busy, busy_at = engine_busy, now
             self.governor.tick(LoadReading(
                 cpu=self.cpu.read(),
+                engine=min(1.0, engine),
                 ttft_s=max(self.governor.recent_ttft(now), waited),
                 stale=new_stale / new_frames if new_frames > 0 else 0.0,
                 sessions=self.active_sessions,
@@ -162,7 +167,7 @@ class StreamgrokServer:
         """Why a new session is refused now (`busy`), or empty when there is room."""
         if self.active_sessions >= self.config.max_sessions:
             return f"the server is configured for at most {self.config.max_sessions} sessions"
-        refused = self.governor.refusal(self.active_sessions)
+        refused = self.governor.admit(self.active_sessions)
         return f"the server is at its sustainable load: {refused}" if refused else ""
 
     async def stop(self) -> None:

@@ -2,13 +2,17 @@
 new sessions.
 
 Every tick the governor reads what the server measures: the CPU the server process and its
-media workers use against the machine's cores, the time to first token of recent answers
-(and how long the oldest question has waited for one), and the share of live frames that went
-stale before they could be processed. Over the limits, live sessions degrade first: their
-sampling rate halves (down to `min_fps_scale`) and the costly detectors run that much less
-often. Well under them for a while, the rate doubles back. Still over at the lowest rate, new
-sessions are refused `busy`, and so is one whose share of the CPU would push past the limit.
-A session that leaves frees its share at the next tick.
+media workers use against the machine's cores, the share of time the engine thread spends in
+steps, the time to first token of recent answers (and how long the oldest question has waited
+for one), and the share of live frames that went stale before they could be processed. Over
+the limits, live sessions degrade first: their sampling rate halves (down to `min_fps_scale`)
+and the costly detectors run that much less often. Well under them for a while, the rate
+doubles back. Still over at the lowest rate, new sessions are refused `busy`.
+
+Admission also looks ahead: from the ticks with sessions it learns what one session costs
+(CPU and engine time, a moving average), so a session that would push either past its limit
+first degrades live sampling, and at the lowest rate is refused, even when many clients
+connect at once. A session that leaves frees its share at once.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class LoadLimits:
 
     cpu_high: float = 0.90  # fraction of all cores
     cpu_low: float = 0.65
+    engine_high: float = 0.85  # fraction of the time the engine thread runs steps
     ttft_target_s: float = 2.0
     stale_high: float = 0.25  # fraction of live frames that went stale
     stale_low: float = 0.05
@@ -42,6 +47,7 @@ class LoadReading:
     """One tick's measurements."""
 
     cpu: float  # fraction of all cores
+    engine: float  # fraction of the time the engine ran steps
     ttft_s: float  # p95 of recent first tokens, or the oldest wait for one, if longer
     stale: float  # fraction of live frames that went stale since the last tick
     sessions: int
@@ -55,6 +61,7 @@ class LoadGovernor:
     limits: LoadLimits = field(default_factory=LoadLimits)
     last: LoadReading | None = None
     refusing: str = ""  # why new sessions are refused now, empty when admitted
+    costs: dict = field(default_factory=dict)  # "CPU"/"engine" -> share one session takes
     _calm: int = 0
     _ttfts: deque = field(default_factory=deque)  # (when, seconds)
 
@@ -69,6 +76,11 @@ class LoadGovernor:
     def tick(self, reading: LoadReading) -> None:
         """Apply one tick's measurements to the degradation level and admission."""
         self.last = reading
+        if reading.sessions:
+            for name, used in (("CPU", reading.cpu), ("engine", reading.engine)):
+                share = used / reading.sessions
+                old = self.costs.get(name)
+                self.costs[name] = share if old is None else 0.7 * old + 0.3 * share
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
@@ -87,18 +99,23 @@ class LoadGovernor:
             level.fps_scale = min(1.0, level.fps_scale * 2)
             level.reason = "" if not level.degraded else level.reason
 
-    def refusal(self, sessions: int) -> str:
-        """Why a new session must be refused now (empty: admit it)."""
+    def admit(self, sessions: int) -> str:
+        """Why one more session (beside `sessions`) must be refused now, empty to admit it.
+        A session that would push the learned costs past their limits first degrades live
+        sampling (admitted); at the lowest rate it is refused."""
         if self.refusing:
             return self.refusing
-        last = self.last
-        if last is None or sessions == 0 or last.sessions == 0:
-            return ""
-        at_floor = self.degradation.fps_scale <= self.limits.min_fps_scale
-        projected = last.cpu * (sessions + 1) / last.sessions
-        if at_floor and projected > self.limits.cpu_high:
-            return (f"one more session would need {projected:.0%} of the CPU at the lowest "
-                    "live sampling rate")
+        limits, level = self.limits, self.degradation
+        for name, limit in (("CPU", limits.cpu_high), ("engine", limits.engine_high)):
+            cost = self.costs.get(name)
+            if cost is None or (sessions + 1) * cost <= limit:
+                continue
+            why = f"{sessions + 1} sessions would need {(sessions + 1) * cost:.0%} of the {name}"
+            if level.fps_scale > limits.min_fps_scale:
+                level.fps_scale = max(limits.min_fps_scale, level.fps_scale / 2)
+                level.reason = why
+                return ""
+            return why
         return ""
 
     def _overload(self, reading: LoadReading) -> str:
