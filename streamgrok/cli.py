@@ -14,7 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=".gguf file or Hugging Face folder (default: SmolLM2)")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
@@ -54,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet-notes", action="store_true", help="do not print observer notes")
     run.add_argument("--kv-policy", default="redundancy")
     run.add_argument("--kv-budget", type=int, default=2048, help="tokens per layer")
-    run.add_argument("--kv-dtype", default="float32")
-    run.add_argument("--kv-memory-gib", type=float, default=1.0)
+    run.add_argument("--kv-dtype", default="auto", help="auto (the model's dtype), float32, "
+                     "bfloat16, float16 or int8")
+    run.add_argument("--kv-memory-gib", type=float, default=None,
+                     help="KV page pool size (default: 80%% of free GPU memory, 2 GiB on CPU)")
     _add_model_options(run)
 
     srv = commands.add_parser("serve", help="websocket server, demo page and /metrics")
@@ -68,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
     srv.add_argument("--kv-policy", default="redundancy")
     srv.add_argument("--kv-budget", type=int, default=2048)
-    srv.add_argument("--kv-memory-gib", type=float, default=2.0)
+    srv.add_argument("--kv-memory-gib", type=float, default=None,
+                     help="KV page pool size (default: 80%% of free GPU memory, 2 GiB on CPU)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight answers may finish after SIGTERM/SIGINT")
     srv.add_argument("--media-workers", type=int, default=2,
@@ -116,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--pipeline", default="pipelines/live_qa.py")
     soak.add_argument("--model", default=None)
     soak.add_argument("--kv-budget", type=int, default=2048)
-    soak.add_argument("--kv-memory-gib", type=float, default=2.0)
+    soak.add_argument("--kv-memory-gib", type=float, default=None)
     soak.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
     soak.add_argument("--out", default="bench-results", help="folder for the plot")
     live = benches.add_parser("live", help="N live websocket clients per row: answers, TTFT, "
@@ -131,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--pipeline", default="pipelines/live_qa.py")
     live.add_argument("--model", default=None)
     live.add_argument("--kv-budget", type=int, default=2048)
-    live.add_argument("--kv-memory-gib", type=float, default=2.0)
+    live.add_argument("--kv-memory-gib", type=float, default=None)
     live.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
     live.add_argument("--out", default="bench-results", help="folder for the plot")
     media = benches.add_parser("media", help="decode, CLIP, dedup and ingest rates")
@@ -147,7 +151,8 @@ def _load(args: argparse.Namespace):
     from streamgrok.runtime import configure_threads, resolve_device, resolve_dtype
 
     configure_threads(args.threads)
-    loaded = load_model(args.model, resolve_dtype(args.dtype), resolve_device(args.device))
+    device = resolve_device(args.device)
+    loaded = load_model(args.model, resolve_dtype(args.dtype, device), device)
     loaded.model.kernels = KernelOps(args.kernels)
     return loaded
 

@@ -422,3 +422,18 @@ def test_a_forward_that_fails_mid_step_is_rolled_back_exactly(backend):
     assert cache.layer_lengths(1) == [22] * CFG.num_layers
     assert float(cache.sequences[0].layers[0].score.sum()) > 0  # committed attention mass
     check_pool(cache)
+
+
+def test_kv_dtype_follows_the_model_and_the_pool_size_has_defaults():
+    from streamgrok.cache.config import CPU_DEFAULT_GIB
+    from streamgrok.runtime import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    cache = PagedKVCache(CFG, CacheConfig(), torch.bfloat16)  # kv_dtype "auto"
+    assert cache.config.kv_dtype == "bfloat16"
+    assert cache.pool.paged_kv().k.dtype == torch.bfloat16
+    assert cache.memory_budget_bytes() == CPU_DEFAULT_GIB * 2**30  # no size given, on CPU
+    assert CacheConfig(kv_dtype="int8").for_model(torch.bfloat16).kv_dtype == "int8"
+    with pytest.raises(ValueError, match="resolved against the model"):
+        CacheConfig().torch_kv_dtype

@@ -141,6 +141,15 @@ def print_rows(rows: list[Row]) -> None:
               f"step p50 {latency.get('step_ms_p50', float('nan')):.0f} ms, p95 "
               f"{latency.get('step_ms_p95', float('nan')):.0f} ms; live fps at the end "
               f"{load.get('fps', float('nan')):.2f} ({load.get('reason') or 'not degraded'})")
+    for row in rows:
+        served = [r for r in row.results if r.asked]
+        if len(served) > 1:
+            p95s = [percentile(r.ttfts, 95) for r in served if r.ttfts]
+            shares = [r.answered / r.asked for r in served]
+            print(f"N={row.clients} fairness: answered per client {min(shares):.0%}..."
+                  f"{max(shares):.0%}; per-client TTFT p95 "
+                  f"{_ms(min(p95s, default=float('nan')))}..."
+                  f"{_ms(max(p95s, default=float('nan')))} ms")
     base = rows[0]
     for row in rows[1:]:
         print(f"N={row.clients} vs N={base.clients}: TTFT p95 x{row.ttft(95) / base.ttft(95):.1f}"
@@ -183,8 +192,9 @@ async def run_live(args) -> None:
     server = None
     url = args.url
     if url is None:
-        server_args = [args.pipeline, "--kv-budget", str(args.kv_budget),
-                       "--kv-memory-gib", str(args.kv_memory_gib)]
+        server_args = [args.pipeline, "--kv-budget", str(args.kv_budget)]
+        if args.kv_memory_gib is not None:
+            server_args += ["--kv-memory-gib", str(args.kv_memory_gib)]
         if args.model:
             server_args += ["--model", args.model]
         for pair in args.set or []:

@@ -173,8 +173,9 @@ def _plot(out: Path, samples, results, live_started, live_ended, baseline_mb) ->
 
 def run_soak_bench(args) -> None:
     """Entry point of `streamgrok bench soak`."""
-    server_args = [args.pipeline, "--kv-budget", str(args.kv_budget),
-                   "--kv-memory-gib", str(args.kv_memory_gib)]
+    server_args = [args.pipeline, "--kv-budget", str(args.kv_budget)]
+    if args.kv_memory_gib is not None:
+        server_args += ["--kv-memory-gib", str(args.kv_memory_gib)]
     if args.model:
         server_args += ["--model", args.model]
     for pair in args.set or []:

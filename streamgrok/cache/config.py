@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from streamgrok.model.config import ModelConfig
 
+CPU_DEFAULT_GIB = 2.0  # the CPU page pool when no size is given (committed as it fills)
 KV_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -23,12 +24,14 @@ class CacheConfig:
 
     `budget_tokens` is the per-sequence, per-layer token budget (average over layers when
     `layer_budgets` is "pyramid"); None means unbounded (only with policy "full").
-    `memory_gib` sizes the page pool on CPU; on CUDA the default is 80% of free memory.
+    `kv_dtype` "auto" stores K/V in the model's compute dtype. `memory_gib` sizes the page
+    pool; None (the default) means `gpu_memory_fraction` of free memory on CUDA and
+    `CPU_DEFAULT_GIB` on CPU.
     """
 
     page_size: int = 16
-    kv_dtype: str = "float32"
-    memory_gib: float | None = 1.0
+    kv_dtype: str = "auto"
+    memory_gib: float | None = None
     gpu_memory_fraction: float = 0.8
     policy: str = "redundancy"  # chosen from `streamgrok bench kv` (README, Benchmarks)
     budget_tokens: int | None = 2048
@@ -45,9 +48,9 @@ class CacheConfig:
     redundancy_refs: int = 256
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in KV_DTYPES:
+        if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
             raise ValueError(
-                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}"
+                f"kv_dtype must be auto or one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}"
             )
         if self.policy not in POLICIES:
             raise ValueError(f"unknown eviction policy {self.policy!r} (choose from {POLICIES})")
@@ -62,7 +65,16 @@ class CacheConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
+        if self.kv_dtype == "auto":
+            raise ValueError("kv_dtype 'auto' is resolved against the model first (`for_model`)")
         return KV_DTYPES[self.kv_dtype]
+
+    def for_model(self, compute_dtype: torch.dtype) -> CacheConfig:
+        """This config with kv_dtype "auto" resolved to the model's compute dtype."""
+        if self.kv_dtype != "auto":
+            return self
+        name = next(n for n, d in KV_DTYPES.items() if d == compute_dtype)
+        return replace(self, kv_dtype=name)
 
     @property
     def evicts(self) -> bool:

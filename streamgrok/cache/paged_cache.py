@@ -11,7 +11,7 @@ import torch
 
 from kernels.ops import KernelOps
 from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, build_attention_plan
-from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.config import CPU_DEFAULT_GIB, CacheConfig
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
 from streamgrok.cache.prefix import PrefixIndex
@@ -83,7 +83,7 @@ class PagedKVCache:
     ) -> None:
         self.model_config = model_config
         self.kernels = kernels or KernelOps()
-        self.config = config or CacheConfig()
+        self.config = (config or CacheConfig()).for_model(compute_dtype)
         self.device = torch.device(device)
         page_bytes = self.config.page_bytes(model_config)
         if num_pages is None:
@@ -107,13 +107,14 @@ class PagedKVCache:
         self._reservation: Reservation | None = None
 
     def memory_budget_bytes(self) -> float:
-        """Bytes the page pool may use: a fixed size, or a share of free GPU memory."""
-        if self.device.type == "cuda" and self.config.memory_gib is None:
+        """Bytes the page pool may use: a fixed size, or by default a share of free GPU memory
+        (on CUDA) or `CPU_DEFAULT_GIB` (on CPU)."""
+        if self.config.memory_gib is not None:
+            return self.config.memory_gib * 2**30
+        if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return free * self.config.gpu_memory_fraction
-        if self.config.memory_gib is None:
-            raise ValueError("memory_gib must be set for a CPU cache")
-        return self.config.memory_gib * 2**30
+        return CPU_DEFAULT_GIB * 2**30
 
     # -- sequences -------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.model.detokenizer import IncrementalDetokenizer
 from streamgrok.model.loader import LoadedModel
 from streamgrok.model.sampling import SamplingParams, new_generator
-from streamgrok.runtime import release_free_memory
+from streamgrok.runtime import StepTimer, release_free_memory
 from streamgrok.stream_tokens import TokenInfo
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class Engine:
         config: EngineConfig | None = None,
     ) -> None:
         self.loaded = loaded
+        self._timer = StepTimer(loaded.model.device)  # step seconds with the device's work
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.config = config or EngineConfig()
@@ -162,7 +163,9 @@ class Engine:
             session_id=session.session_id,
             prompt=torch.tensor(prompt, dtype=torch.long),
             sampling=sampling,
-            generator=None if sampling.greedy else new_generator(sampling),
+            # on the model's device: multinomial draws there (a CPU generator fails on CUDA)
+            generator=None if sampling.greedy else new_generator(sampling,
+                                                                 self.loaded.model.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             stop_ids=self.tokenizer.stop_ids | sampling.stop_token_ids,
             deliver=out.put_nowait,
@@ -281,9 +284,9 @@ class Engine:
             plan.release()
             time.sleep(self.config.merge_window_s)  # let concurrent arrivals join this step
             return False
-        started = time.perf_counter()
+        self._timer.start()
         sampled, failed = self.runner.execute(plan)
-        self.scheduler.update(plan, sampled, failed, time.perf_counter() - started)
+        self.scheduler.update(plan, sampled, failed, self._timer.stop())
         self.scheduler.evict()
         return False
 

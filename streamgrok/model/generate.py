@@ -82,7 +82,7 @@ class Generator:
         stops = self._stops(params)
         for slot in range(len(prompts)):
             self.cache.reset(slot)
-        generators = [None if params.greedy else new_generator(params) for _ in prompts]
+        generators = [None if params.greedy else new_generator(params, device) for _ in prompts]
         ids = torch.tensor([t for p in prompts for t in p], device=device)
         batch = BatchMetadata.build(range(len(prompts)), [len(p) for p in prompts], device)
         logits = model(ids, batch, self.cache)

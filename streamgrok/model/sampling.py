@@ -37,7 +37,8 @@ class SamplingParams:
 
 
 def new_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
-    """A random generator for one request, seeded when the request asks for it."""
+    """A random generator for one request, seeded when the request asks for it; create it on
+    the device of the logits it will sample (torch.multinomial needs them to match)."""
     gen = torch.Generator(device=device)
     if params.seed is None:
         gen.seed()
