@@ -436,4 +436,4 @@ def test_kv_dtype_follows_the_model_and_the_pool_size_has_defaults():
     assert cache.memory_budget_bytes() == CPU_DEFAULT_GIB * 2**30  # no size given, on CPU
     assert CacheConfig(kv_dtype="int8").for_model(torch.bfloat16).kv_dtype == "int8"
     with pytest.raises(ValueError, match="resolved against the model"):
-        CacheConfig().torch_kv_dtype
+        _ = CacheConfig().torch_kv_dtype
