@@ -414,7 +414,7 @@ async def test_busy_past_capacity_and_a_session_that_leaves_frees_it(tiny_loaded
             await recv_until(extra, "session.ended")
             await second.send(json.dumps({"type": "session.end"}))
             await recv_until(second, "session.ended")
-            overloaded = LoadReading(cpu=0.1, engine=0.1, ttft_s=5.0, stale=0.0, sessions=1)
+            overloaded = LoadReading(cpu=0.1, ttft_s=5.0, stale=0.0, sessions=1)
             srv.governor.tick(overloaded)  # the measured load: live sampling degrades first
             stats, _ = await recv_until(first, "stats")
             assert stats["load"]["degraded"] and stats["load"]["fps"] == 0.5
@@ -427,8 +427,37 @@ async def test_busy_past_capacity_and_a_session_that_leaves_frees_it(tiny_loaded
                 await fifth.send(json.dumps({"type": "session.start", "id": "s5"}))
                 error, _ = await recv_until(fifth, "error")
                 assert error["code"] == "busy" and "sustainable load" in error["message"]
-            srv.governor.tick(LoadReading(cpu=0.2, engine=0.1, ttft_s=0.1, stale=0.0, sessions=1))
+            srv.governor.tick(LoadReading(cpu=0.2, ttft_s=0.1, stale=0.0, sessions=1))
             async with connect(url(srv)) as sixth:  # the load fell: admitted again
                 await start(sixth)
+    finally:
+        await srv.stop()
+
+
+async def test_questions_get_busy_while_the_engine_is_behind(tiny_loaded):
+    config = ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
+                          load_tick_s=3600)  # the governor on, its measurements far away
+    srv = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512, memory_gib=0.05))
+    await srv.start()
+    try:
+        async with connect(url(srv)) as ws, connect(url(srv)) as other:
+            await start(ws)
+            await start(other)
+            async with srv.engine.paused():  # the first question cannot start yet
+                await ws.send(json.dumps({"type": "query", "id": "old", "text": "first?"}))
+                while not any("old" in c.answers for c in srv.connections):
+                    await asyncio.sleep(0.01)
+                for connection in srv.connections:  # it has waited 10 s for a first token
+                    for answer in connection.answers.values():
+                        answer.metrics.asked_at -= 10.0
+                await other.send(json.dumps({"type": "query", "id": "new", "text": "me?"}))
+                error, _ = await recv_until(other, "error")
+                assert error["code"] == "busy" and error["message_id"] == "new"
+                assert "waited 10" in error["message"]
+            done, _ = await recv_until(ws, "response.done")  # the queued one is answered
+            assert done["query_id"] == "old" and done["finish_reason"] != "error"
+            await other.send(json.dumps({"type": "query", "id": "later", "text": "now?"}))
+            done, _ = await recv_until(other, "response.done")  # caught up: queued again
+            assert done["query_id"] == "later"
     finally:
         await srv.stop()

@@ -140,7 +140,6 @@ class StreamgrokServer:
     async def _govern(self) -> None:
         """Measure the load every tick and let the governor degrade, restore or refuse."""
         received = stale = 0
-        busy, busy_at = self.engine.snapshot()["busy_seconds"], time.monotonic()
         self.cpu.read()
         while True:
             await asyncio.sleep(self.config.load_tick_s)
@@ -150,14 +149,9 @@ class StreamgrokServer:
             new_frames = frames - received
             received, stale = frames, drops.get("frames_stale", 0)
             now = time.monotonic()
-            waited = max((c.oldest_wait(now) for c in self.connections), default=0.0)
-            engine_busy = self.engine.snapshot()["busy_seconds"]
-            engine = (engine_busy - busy) / max(1e-9, now - busy_at)
-            busy, busy_at = engine_busy, now
             self.governor.tick(LoadReading(
                 cpu=self.cpu.read(),
-                engine=min(1.0, engine),
-                ttft_s=max(self.governor.recent_ttft(now), waited),
+                ttft_s=max(self.governor.recent_ttft(now), self.oldest_wait(now)),
                 stale=new_stale / new_frames if new_frames > 0 else 0.0,
                 sessions=self.active_sessions,
             ))
@@ -169,6 +163,16 @@ class StreamgrokServer:
             return f"the server is configured for at most {self.config.max_sessions} sessions"
         refused = self.governor.admit(self.active_sessions)
         return f"the server is at its sustainable load: {refused}" if refused else ""
+
+    def oldest_wait(self, now: float) -> float:
+        """How long the oldest question still without a first token has waited."""
+        return max((c.oldest_wait(now) for c in self.connections), default=0.0)
+
+    def question_admission(self) -> str:
+        """Why a new question is refused now (`busy`), or empty to queue it."""
+        if self.config.load_tick_s is None:  # the governor is off
+            return ""
+        return self.governor.admit_question(self.oldest_wait(time.monotonic()))
 
     async def stop(self) -> None:
         """Close every connection and stop the engine and media workers (idempotent)."""

@@ -182,9 +182,13 @@ class ClientConnection:
             raise ProtocolError("too_many_queries",
                                 f"{len(self.answers)} queries in flight (max "
                                 f"{self.config.max_inflight_queries})", message.get("id"))
+        self._check_text_size(message)
+        refused = self.server.question_admission()
+        if refused:
+            self.server.metrics.refused_questions.inc()
+            raise ProtocolError("busy", refused, message.get("id"))
         self.queries_asked += 1
         query_id = message.get("id") or f"q{self.queries_asked}"
-        self._check_text_size(message)
         answer = self.runner.ask(message["text"], query_id=query_id)
         self.answers[query_id] = answer
 

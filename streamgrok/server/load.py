@@ -2,17 +2,20 @@
 new sessions.
 
 Every tick the governor reads what the server measures: the CPU the server process and its
-media workers use against the machine's cores, the share of time the engine thread spends in
-steps, the time to first token of recent answers (and how long the oldest question has waited
-for one), and the share of live frames that went stale before they could be processed. Over
-the limits, live sessions degrade first: their sampling rate halves (down to `min_fps_scale`)
-and the costly detectors run that much less often. Well under them for a while, the rate
-doubles back. Still over at the lowest rate, new sessions are refused `busy`.
+media workers use against the machine's cores, the time to first token of recent answers (and
+how long the oldest question has waited for one), and the share of live frames that went stale
+before they could be processed. Over the limits, live sessions degrade first: their sampling
+rate halves (down to `min_fps_scale`) and the costly detectors run that much less often. Well
+under them for a while, the rate doubles back. Still over at the lowest rate, new sessions are
+refused `busy`.
 
-Admission also looks ahead: from the ticks with sessions it learns what one session costs
-(CPU and engine time, a moving average), so a session that would push either past its limit
-first degrades live sampling, and at the lowest rate is refused, even when many clients
-connect at once. A session that leaves frees its share at once.
+Admission also looks ahead. From the ticks with sessions it learns the CPU one session costs
+(media work adds up per session; a moving average), so a session that would push the CPU past
+its limit first degrades live sampling, and at the lowest rate is refused, even when many
+clients connect at once. The engine's time does not add up that way (answers of many sessions
+decode in one batch), so it is guarded at the question instead: while the oldest question has
+waited longer than the first-token target, new questions get `busy` rather than a place in a
+queue they cannot leave in time. A session that leaves frees its share at once.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ class LoadLimits:
 
     cpu_high: float = 0.90  # fraction of all cores
     cpu_low: float = 0.65
-    engine_high: float = 0.85  # fraction of the time the engine thread runs steps
     ttft_target_s: float = 2.0
     stale_high: float = 0.25  # fraction of live frames that went stale
     stale_low: float = 0.05
@@ -47,7 +49,6 @@ class LoadReading:
     """One tick's measurements."""
 
     cpu: float  # fraction of all cores
-    engine: float  # fraction of the time the engine ran steps
     ttft_s: float  # p95 of recent first tokens, or the oldest wait for one, if longer
     stale: float  # fraction of live frames that went stale since the last tick
     sessions: int
@@ -61,7 +62,7 @@ class LoadGovernor:
     limits: LoadLimits = field(default_factory=LoadLimits)
     last: LoadReading | None = None
     refusing: str = ""  # why new sessions are refused now, empty when admitted
-    costs: dict = field(default_factory=dict)  # "CPU"/"engine" -> share one session takes
+    session_cpu: float | None = None  # the share of the cores one session takes (average)
     _calm: int = 0
     _ttfts: deque = field(default_factory=deque)  # (when, seconds)
 
@@ -77,10 +78,8 @@ class LoadGovernor:
         """Apply one tick's measurements to the degradation level and admission."""
         self.last = reading
         if reading.sessions:
-            for name, used in (("CPU", reading.cpu), ("engine", reading.engine)):
-                share = used / reading.sessions
-                old = self.costs.get(name)
-                self.costs[name] = share if old is None else 0.7 * old + 0.3 * share
+            share, old = reading.cpu / reading.sessions, self.session_cpu
+            self.session_cpu = share if old is None else 0.7 * old + 0.3 * share
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
@@ -101,22 +100,30 @@ class LoadGovernor:
 
     def admit(self, sessions: int) -> str:
         """Why one more session (beside `sessions`) must be refused now, empty to admit it.
-        A session that would push the learned costs past their limits first degrades live
+        A session that would push the learned CPU cost past its limit first degrades live
         sampling (admitted); at the lowest rate it is refused."""
         if self.refusing:
             return self.refusing
         limits, level = self.limits, self.degradation
-        for name, limit in (("CPU", limits.cpu_high), ("engine", limits.engine_high)):
-            cost = self.costs.get(name)
-            if cost is None or (sessions + 1) * cost <= limit:
-                continue
-            why = f"{sessions + 1} sessions would need {(sessions + 1) * cost:.0%} of the {name}"
-            if level.fps_scale > limits.min_fps_scale:
-                level.fps_scale = max(limits.min_fps_scale, level.fps_scale / 2)
-                level.reason = why
-                return ""
-            return why
-        return ""
+        cost = self.session_cpu
+        if cost is None or (sessions + 1) * cost <= limits.cpu_high:
+            return ""
+        why = f"{sessions + 1} sessions would need {(sessions + 1) * cost:.0%} of the CPU"
+        if level.fps_scale > limits.min_fps_scale:
+            level.fps_scale = max(limits.min_fps_scale, level.fps_scale / 2)
+            level.reason = why
+            return ""
+        return why
+
+    def admit_question(self, oldest_wait_s: float) -> str:
+        """Why a new question must be refused now (empty: queue it): the engine is behind
+        when the oldest question still waiting for its first token has waited past the
+        first-token target."""
+        target = self.limits.ttft_target_s
+        if oldest_wait_s <= target:
+            return ""
+        return (f"the engine is behind: a question has waited {oldest_wait_s:.1f} s for its "
+                f"first token (target {target:g} s)")
 
     def _overload(self, reading: LoadReading) -> str:
         limits = self.limits

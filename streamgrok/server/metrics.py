@@ -29,6 +29,9 @@ class ServerMetrics:
                               "requested one (1 = not degraded)", registry=r)
         self.refused = Counter("streamgrok_sessions_refused", "Sessions refused busy",
                                registry=r)
+        self.refused_questions = Counter("streamgrok_questions_refused",
+                                         "Questions refused busy (the engine was behind)",
+                                         registry=r)
         self.outbound_dropped = Counter("streamgrok_outbound_dropped",
                                         "Messages dropped for slow clients", registry=r)
         self.sessions = Gauge("streamgrok_active_sessions", "Client sessions", registry=r)
