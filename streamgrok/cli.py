@@ -22,6 +22,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="attention/norm kernels: auto = Triton on CUDA, PyTorch on CPU")
 
 
+def _add_served_options(parser: argparse.ArgumentParser) -> None:
+    """Options of the benchmarks that start a `streamgrok serve` process."""
+    parser.add_argument("--pipeline", default="pipelines/live_qa.py")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--kv-budget", type=int, default=2048)
+    parser.add_argument("--kv-memory-gib", type=float, default=None)
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
+    parser.add_argument("--out", default="bench-results", help="folder for the plot")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser with one sub-command per job."""
     parser = argparse.ArgumentParser(prog="streamgrok", description=__doc__)
@@ -117,12 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--ask-every", type=float, default=15.0, help="seconds between questions")
     soak.add_argument("--storm", type=int, default=0,
                       help="then this many clients connect, ask and drop mid-answer")
-    soak.add_argument("--pipeline", default="pipelines/live_qa.py")
-    soak.add_argument("--model", default=None)
-    soak.add_argument("--kv-budget", type=int, default=2048)
-    soak.add_argument("--kv-memory-gib", type=float, default=None)
-    soak.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
-    soak.add_argument("--out", default="bench-results", help="folder for the plot")
+    _add_served_options(soak)
     live = benches.add_parser("live", help="N live websocket clients per row: answers, TTFT, "
                               "TBT, frames processed and dropped, server CPU")
     live.add_argument("--clients", default="1,4,8,16,32", help="rows (the first is the baseline)")
@@ -132,12 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--answer-timeout", type=float, default=30.0,
                       help="seconds after the row an open question may still be answered")
     live.add_argument("--url", default=None, help="a running server's /ws (else one is started)")
-    live.add_argument("--pipeline", default="pipelines/live_qa.py")
-    live.add_argument("--model", default=None)
-    live.add_argument("--kv-budget", type=int, default=2048)
-    live.add_argument("--kv-memory-gib", type=float, default=None)
-    live.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
-    live.add_argument("--out", default="bench-results", help="folder for the plot")
+    _add_served_options(live)
     media = benches.add_parser("media", help="decode, CLIP, dedup and ingest rates")
     media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
     media.add_argument("--fps", type=float, default=2.0)

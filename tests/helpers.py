@@ -189,3 +189,20 @@ def write_hf_folder(folder: Path, model: Transformer) -> Path:
                     "chat_template": CHAT_TEMPLATE})
     )
     return folder
+
+
+async def queue_streaming_questions(engine) -> list:
+    """Three sessions streaming notes past a small budget, each asking while more notes
+    follow, all queued inside `engine.paused()` so every run schedules the same steps;
+    returns the greedy answers (8 tokens each)."""
+    from streamgrok.model.sampling import SamplingParams
+
+    async with engine.paused():
+        sessions = [engine.new_session("sys") for _ in range(3)]
+        for i, session in enumerate(sessions):
+            await session.append_message("note " * (10 + 9 * i))
+        asks = [s.ask(f"question {i}?", SamplingParams(max_tokens=8))
+                for i, s in enumerate(sessions)]
+        for session in sessions:
+            await session.append_message("later " * 12)
+    return asks

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_model, tiny_config, write_gguf
+from helpers import queue_streaming_questions, random_model, tiny_config, write_gguf
 
 from kernels.ops import KernelOps
 from streamgrok.cache.config import CacheConfig
@@ -32,14 +32,9 @@ async def test_engine_on_cuda_triton_matches_the_references_and_samples_on_the_d
         loaded.model.kernels = KernelOps(backend)
         async with Engine(loaded, cache, EngineConfig(merge_window_s=0)) as engine:
             assert engine.cache.pool.paged_kv().k.dtype == torch.bfloat16
-            async with engine.paused():
-                sessions = [engine.new_session("sys") for _ in range(3)]
-                for i, session in enumerate(sessions):
-                    await session.append_message("note " * (10 + 9 * i))
-                asks = [s.ask(f"question {i}?", SamplingParams(max_tokens=8))
-                        for i, s in enumerate(sessions)]
-                sampled = sessions[0].ask("pick one", SamplingParams(
-                    temperature=0.8, top_p=0.9, seed=3, max_tokens=6))
+            asks = await queue_streaming_questions(engine)
+            sampled = engine.new_session("sys").ask("pick one", SamplingParams(
+                temperature=0.8, top_p=0.9, seed=3, max_tokens=6))
             answers[backend] = [await a.text() for a in asks]
             assert await sampled.text()  # a CUDA generator drew on CUDA probabilities
             assert engine.cache.stats.evicted_tokens > 0

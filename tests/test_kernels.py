@@ -353,11 +353,10 @@ async def test_engine_answers_are_the_same_on_both_kernel_backends(tmp_path):
     forks, eviction compacts shared pages): the same greedy answers through the Triton
     kernels as through the references. All work is queued while the engine is paused, so
     both runs schedule the same steps however the machine's threads interleave."""
-    from helpers import write_gguf
+    from helpers import queue_streaming_questions, write_gguf
 
     from streamgrok.engine import Engine, EngineConfig
     from streamgrok.model.loader import load_model
-    from streamgrok.model.sampling import SamplingParams
 
     config = tiny_config(hidden_size=192, num_heads=6, num_kv_heads=2, head_dim=32,
                          max_positions=4096)
@@ -368,14 +367,7 @@ async def test_engine_answers_are_the_same_on_both_kernel_backends(tmp_path):
     for backend in ("triton", "torch"):
         loaded.model.kernels = KernelOps(backend)
         async with Engine(loaded, cache, EngineConfig(merge_window_s=0)) as engine:
-            async with engine.paused():
-                sessions = [engine.new_session("sys") for _ in range(3)]
-                for i, session in enumerate(sessions):
-                    await session.append_message("note " * (10 + 9 * i))
-                asks = [s.ask(f"question {i}?", SamplingParams(max_tokens=8))
-                        for i, s in enumerate(sessions)]
-                for session in sessions:
-                    await session.append_message("later " * 12)
+            asks = await queue_streaming_questions(engine)
             answers[backend] = [await a.text() for a in asks]
             evicted[backend] = engine.cache.stats.evicted_tokens
             assert evicted[backend] > 0

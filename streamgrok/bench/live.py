@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 
 from streamgrok.bench.live_client import PHOTOS, ClientResult, frame_bytes, live_client
-from streamgrok.bench.server_process import ServerProcess, settle
+from streamgrok.bench.server_process import ServerProcess, serve_arguments, settle
 from streamgrok.bench.timing import percentile
 
 
@@ -192,14 +192,7 @@ async def run_live(args) -> None:
     server = None
     url = args.url
     if url is None:
-        server_args = [args.pipeline, "--kv-budget", str(args.kv_budget)]
-        if args.kv_memory_gib is not None:
-            server_args += ["--kv-memory-gib", str(args.kv_memory_gib)]
-        if args.model:
-            server_args += ["--model", args.model]
-        for pair in args.set or []:
-            server_args += ["--set", pair]
-        server = ServerProcess(server_args)
+        server = ServerProcess(serve_arguments(args))
         await server.start()
         url = f"ws://127.0.0.1:{server.port}/ws"
         print(f"server pid {server.process.pid} on {url}")

@@ -11,6 +11,19 @@ import urllib.request
 import psutil
 
 
+def serve_arguments(args) -> list[str]:
+    """`streamgrok serve` arguments from a server benchmark's options (pipeline, model, KV
+    budget and memory, pipeline options)."""
+    arguments = [args.pipeline, "--kv-budget", str(args.kv_budget)]
+    if args.kv_memory_gib is not None:
+        arguments += ["--kv-memory-gib", str(args.kv_memory_gib)]
+    if args.model:
+        arguments += ["--model", args.model]
+    for pair in args.set or []:
+        arguments += ["--set", pair]
+    return arguments
+
+
 class ServerProcess:
     """`streamgrok serve` started as a child process on a free loopback port."""
 

@@ -26,7 +26,7 @@ from streamgrok.bench.live_client import (
     frame_bytes,
     live_client,
 )
-from streamgrok.bench.server_process import ServerProcess, settle
+from streamgrok.bench.server_process import ServerProcess, serve_arguments, settle
 from streamgrok.bench.timing import percentile
 from streamgrok.server.protocol import pack_media
 
@@ -173,13 +173,6 @@ def _plot(out: Path, samples, results, live_started, live_ended, baseline_mb) ->
 
 def run_soak_bench(args) -> None:
     """Entry point of `streamgrok bench soak`."""
-    server_args = [args.pipeline, "--kv-budget", str(args.kv_budget)]
-    if args.kv_memory_gib is not None:
-        server_args += ["--kv-memory-gib", str(args.kv_memory_gib)]
-    if args.model:
-        server_args += ["--model", args.model]
-    for pair in args.set or []:
-        server_args += ["--set", pair]
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    asyncio.run(run_soak(server_args, args.clients, args.seconds, args.ask_every, args.storm,
-                         Path(args.out)))
+    asyncio.run(run_soak(serve_arguments(args), args.clients, args.seconds, args.ask_every,
+                         args.storm, Path(args.out)))
