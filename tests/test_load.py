@@ -6,8 +6,10 @@ from streamgrok.pipeline.degradation import Degradation
 from streamgrok.server.load import LoadGovernor, LoadLimits, LoadReading
 
 
-def reading(cpu=0.3, ttft_s=0.4, stale=0.0, sessions=4) -> LoadReading:
-    return LoadReading(cpu=cpu, ttft_s=ttft_s, stale=stale, sessions=sessions)
+def reading(cpu=0.3, media_cpu=None, ttft_s=0.4, stale=0.0, sessions=4) -> LoadReading:
+    media_cpu = cpu / 2 if media_cpu is None else media_cpu
+    return LoadReading(cpu=cpu, media_cpu=media_cpu, ttft_s=ttft_s, stale=stale,
+                       sessions=sessions)
 
 
 def governor() -> LoadGovernor:
@@ -50,10 +52,11 @@ def test_stale_frames_count_as_overload():
 
 
 def test_many_sessions_at_once_are_admitted_up_to_the_learned_cost_then_refused():
-    """One session was measured taking 12% of the CPU: of 20 clients connecting together,
-    7 fit, the 8th and 9th degrade live sampling, and at its lowest the rest get busy."""
+    """One session's media was measured taking 12% of the CPU: of 20 clients connecting
+    together, 7 fit, the 8th and 9th degrade live sampling, and at its lowest the rest get
+    busy."""
     gov = governor()
-    gov.tick(reading(cpu=0.12, sessions=1))
+    gov.tick(reading(cpu=0.12, media_cpu=0.12, sessions=1))
     admitted, refused = 0, []
     for _ in range(20):
         why = gov.admit(admitted)
@@ -77,3 +80,14 @@ def test_questions_are_refused_while_the_engine_is_behind():
     gov = governor()
     assert gov.admit_question(1.5) == ""  # within the 2 s first-token target: queued
     assert "waited 3.0 s" in gov.admit_question(3.0)
+
+
+def test_the_engine_answering_one_session_is_not_taken_for_a_per_session_cost():
+    """One session asking keeps the engine busy (half the CPU), but its media costs 2%: the
+    next sessions add 2% each, so 20 fit before anything degrades."""
+    gov = governor()
+    gov.tick(reading(cpu=0.5, media_cpu=0.02, sessions=1))
+    assert all(gov.admit(n) == "" for n in range(1, 20))
+    assert not gov.degradation.degraded
+    gov.admit(21)
+    assert gov.degradation.degraded

@@ -414,7 +414,7 @@ async def test_busy_past_capacity_and_a_session_that_leaves_frees_it(tiny_loaded
             await recv_until(extra, "session.ended")
             await second.send(json.dumps({"type": "session.end"}))
             await recv_until(second, "session.ended")
-            overloaded = LoadReading(cpu=0.1, ttft_s=5.0, stale=0.0, sessions=1)
+            overloaded = LoadReading(cpu=0.1, media_cpu=0.05, ttft_s=5.0, stale=0.0, sessions=1)
             srv.governor.tick(overloaded)  # the measured load: live sampling degrades first
             stats, _ = await recv_until(first, "stats")
             assert stats["load"]["degraded"] and stats["load"]["fps"] == 0.5
@@ -427,7 +427,8 @@ async def test_busy_past_capacity_and_a_session_that_leaves_frees_it(tiny_loaded
                 await fifth.send(json.dumps({"type": "session.start", "id": "s5"}))
                 error, _ = await recv_until(fifth, "error")
                 assert error["code"] == "busy" and "sustainable load" in error["message"]
-            srv.governor.tick(LoadReading(cpu=0.2, ttft_s=0.1, stale=0.0, sessions=1))
+            srv.governor.tick(LoadReading(cpu=0.2, media_cpu=0.05, ttft_s=0.1,
+                                           stale=0.0, sessions=1))
             async with connect(url(srv)) as sixth:  # the load fell: admitted again
                 await start(sixth)
     finally:

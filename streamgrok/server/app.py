@@ -149,8 +149,10 @@ class StreamgrokServer:
             new_frames = frames - received
             received, stale = frames, drops.get("frames_stale", 0)
             now = time.monotonic()
+            cpu, media_cpu = self.cpu.read()
             self.governor.tick(LoadReading(
-                cpu=self.cpu.read(),
+                cpu=cpu,
+                media_cpu=media_cpu,
                 ttft_s=max(self.governor.recent_ttft(now), self.oldest_wait(now)),
                 stale=new_stale / new_frames if new_frames > 0 else 0.0,
                 sessions=self.active_sessions,

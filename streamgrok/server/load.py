@@ -9,13 +9,14 @@ rate halves (down to `min_fps_scale`) and the costly detectors run that much les
 under them for a while, the rate doubles back. Still over at the lowest rate, new sessions are
 refused `busy`.
 
-Admission also looks ahead. From the ticks with sessions it learns the CPU one session costs
-(media work adds up per session; a moving average), so a session that would push the CPU past
-its limit first degrades live sampling, and at the lowest rate is refused, even when many
-clients connect at once. The engine's time does not add up that way (answers of many sessions
-decode in one batch), so it is guarded at the question instead: while the oldest question has
-waited longer than the first-token target, new questions get `busy` rather than a place in a
-queue they cannot leave in time. A session that leaves frees its share at once.
+Admission also looks ahead. From the ticks with sessions it learns the CPU one more session
+adds: its media work (frame decoding and detectors, in the media worker processes) adds up per
+session, a moving average of the workers' CPU per session. A session that would push the CPU
+past its limit first degrades live sampling, and at the lowest rate is refused, also when many
+clients connect at once. The engine's time does not add up that way (the answers of many
+sessions decode in one batch), so it is guarded at the question instead: while the oldest
+question has waited longer than the first-token target, new questions get `busy` rather than
+a place in a queue they cannot leave in time. A session that leaves frees its share at once.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class LoadLimits:
 class LoadReading:
     """One tick's measurements."""
 
-    cpu: float  # fraction of all cores
+    cpu: float  # fraction of all cores (server and media workers)
+    media_cpu: float  # the part of `cpu` the media worker processes used
     ttft_s: float  # p95 of recent first tokens, or the oldest wait for one, if longer
     stale: float  # fraction of live frames that went stale since the last tick
     sessions: int
@@ -62,7 +64,7 @@ class LoadGovernor:
     limits: LoadLimits = field(default_factory=LoadLimits)
     last: LoadReading | None = None
     refusing: str = ""  # why new sessions are refused now, empty when admitted
-    session_cpu: float | None = None  # the share of the cores one session takes (average)
+    session_cpu: float | None = None  # the share of the cores one more session adds
     _calm: int = 0
     _ttfts: deque = field(default_factory=deque)  # (when, seconds)
 
@@ -78,7 +80,7 @@ class LoadGovernor:
         """Apply one tick's measurements to the degradation level and admission."""
         self.last = reading
         if reading.sessions:
-            share, old = reading.cpu / reading.sessions, self.session_cpu
+            share, old = reading.media_cpu / reading.sessions, self.session_cpu
             self.session_cpu = share if old is None else 0.7 * old + 0.3 * share
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
@@ -104,11 +106,14 @@ class LoadGovernor:
         sampling (admitted); at the lowest rate it is refused."""
         if self.refusing:
             return self.refusing
-        limits, level = self.limits, self.degradation
+        limits, level, last = self.limits, self.degradation, self.last
         cost = self.session_cpu
-        if cost is None or (sessions + 1) * cost <= limits.cpu_high:
+        if cost is None or last is None:
             return ""
-        why = f"{sessions + 1} sessions would need {(sessions + 1) * cost:.0%} of the CPU"
+        projected = last.cpu + (sessions + 1 - last.sessions) * cost
+        if projected <= limits.cpu_high:
+            return ""
+        why = f"{sessions + 1} sessions would need {projected:.0%} of the CPU"
         if level.fps_scale > limits.min_fps_scale:
             level.fps_scale = max(limits.min_fps_scale, level.fps_scale / 2)
             level.reason = why
@@ -145,19 +150,23 @@ class CpuMeter:
         self.cores = psutil.cpu_count() or 1
         self._last: tuple[float, float] | None = None
 
-    def read(self) -> float:
+    def read(self) -> tuple[float, float]:
+        """(all, child processes only) since the last read, as fractions of the cores."""
         now, used = time.monotonic(), self._cpu_seconds()
         last, self._last = self._last, (now, used)
         if last is None or now <= last[0]:
-            return 0.0
-        return max(0.0, used - last[1]) / (now - last[0]) / self.cores
+            return 0.0, 0.0
+        scale = (now - last[0]) * self.cores
+        return (max(0.0, used[0] + used[1] - last[1][0] - last[1][1]) / scale,
+                max(0.0, used[1] - last[1][1]) / scale)
 
-    def _cpu_seconds(self) -> float:
-        total = 0.0
-        for process in [self.process, *self.process.children(recursive=True)]:
+    def _cpu_seconds(self) -> tuple[float, float]:
+        own = self.process.cpu_times()
+        children = 0.0
+        for process in self.process.children(recursive=True):
             try:
                 times = process.cpu_times()
             except psutil.Error:  # a worker that just exited
                 continue
-            total += times.user + times.system
-        return total
+            children += times.user + times.system
+        return own.user + own.system, children
