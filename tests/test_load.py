@@ -91,3 +91,13 @@ def test_the_engine_answering_one_session_is_not_taken_for_a_per_session_cost():
     assert not gov.degradation.degraded
     gov.admit(21)
     assert gov.degradation.degraded
+
+
+def test_a_server_left_idle_admits_again_at_once():
+    gov = governor()
+    for _ in range(3):
+        gov.record_ttft(6.0)
+        gov.tick(reading(ttft_s=6.0, sessions=8))
+    assert gov.admit(8)  # at the floor and slow: busy
+    gov.tick(reading(cpu=0.1, ttft_s=gov.recent_ttft(0.0), sessions=0))  # everyone left
+    assert gov.admit(0) == "" and gov.recent_ttft(1e9) == 0.0

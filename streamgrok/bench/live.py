@@ -204,6 +204,7 @@ async def run_live(args) -> None:
             rows.append(await run_row(url, server, clients, args))
             if server is not None:
                 await settle(server)
+                await asyncio.sleep(3.0)  # a load-governor tick with nobody on: a fresh row
     finally:
         if server is not None:
             await server.stop()

@@ -79,9 +79,13 @@ class LoadGovernor:
     def tick(self, reading: LoadReading) -> None:
         """Apply one tick's measurements to the degradation level and admission."""
         self.last = reading
-        if reading.sessions:
-            share, old = reading.media_cpu / reading.sessions, self.session_cpu
-            self.session_cpu = share if old is None else 0.7 * old + 0.3 * share
+        if not reading.sessions:  # nobody left: what the last load measured no longer holds
+            self._ttfts.clear()
+            self.refusing, self._calm = "", 0
+            self.degradation.fps_scale, self.degradation.reason = 1.0, ""
+            return
+        share, old = reading.media_cpu / reading.sessions, self.session_cpu
+        self.session_cpu = share if old is None else 0.7 * old + 0.3 * share
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
