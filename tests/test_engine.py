@@ -123,7 +123,7 @@ async def test_flooding_session_cannot_delay_another_first_token(tiny_loaded):
 
 
 async def test_full_policy_out_of_pages_waits_and_others_continue(tiny_loaded):
-    cache = CacheConfig(policy="full", budget_tokens=None, memory_gib=None)
+    cache = CacheConfig(policy="full", budget_tokens=None).for_model(tiny_loaded.model.dtype)
     pages_bytes = cache.page_bytes(tiny_loaded.config)
     cache = CacheConfig(policy="full", budget_tokens=None,
                         memory_gib=40 * pages_bytes / 2**30)  # 40 pages = 20 per layer
