@@ -144,7 +144,8 @@ class StreamgrokServer:
         while True:
             await asyncio.sleep(self.config.load_tick_s)
             drops = self.drops()
-            frames = sum(c.frame_index for c in self.connections) + self.closed_frames
+            frames = self.closed_frames + sum(c.frame_index for c in self.connections
+                                              if c.runner is not None)
             new_stale = drops.get("frames_stale", 0) - stale
             new_frames = frames - received
             received, stale = frames, drops.get("frames_stale", 0)
@@ -195,9 +196,10 @@ class StreamgrokServer:
                 total.update(connection.drops())
         return dict(total)
 
-    def session_ended(self, connection: ClientConnection) -> None:
-        self.closed_drops.update(connection.drops())
-        self.closed_frames += connection.frame_index
+    def session_ended(self, drops: dict[str, int], frames: int) -> None:
+        """A session ended: what it dropped and received joins the server's totals."""
+        self.closed_drops.update(drops)
+        self.closed_frames += frames
 
     @property
     def port(self) -> int:

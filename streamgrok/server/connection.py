@@ -56,7 +56,6 @@ class ClientConnection:
         self.outbox: deque[tuple[str, str]] = deque()
         self.outbox_ready = asyncio.Event()
         self.dropped_outbound = 0
-        self._ended: PipelineRunner | None = None  # the finished session (its drops count)
         self.closed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -352,9 +351,10 @@ class ClientConnection:
             "latency": {"step_ms_p50": snap["step_ms_p50"], "step_ms_p95": snap["step_ms_p95"]},
         }
 
-    def drops(self) -> dict[str, int]:
-        """Everything this session dropped so far, by reason (see docs/PROTOCOL.md)."""
-        runner = self.runner or self._ended
+    def drops(self, runner: PipelineRunner | None = None) -> dict[str, int]:
+        """Everything this session (or `runner`'s) dropped so far, by reason (see
+        docs/PROTOCOL.md)."""
+        runner = runner or self.runner
         ingest = runner.ingest.stats if runner and runner.ingest else None
         engine = runner.session.dropped if runner and runner.session else {}
         return {
@@ -388,8 +388,9 @@ class ClientConnection:
         if self.runner is None:
             return
         runner, self.runner = self.runner, None
-        self._ended = runner
-        self.server.session_ended(self)  # its drops move to the server's totals at once
+        # its drops and frames move to the server's totals at once; a next session starts at 0
+        self.server.session_ended(self.drops(runner), self.frame_index)
+        self.rate_limited = self.dropped_outbound = self.frame_index = 0
         if self.container is not None:
             await self.container.stop()
         self.video_in.close()
