@@ -121,7 +121,6 @@ class Ingest:
         self.video_stages = list(video_stages or [])
         self.speech_model = speech_model
         self.degradation = degradation or Degradation()
-        self.observer: FrameObserver | None = None
         self.stats = IngestStats()
 
     def stages(self) -> tuple[list[Stage], list[Stage]]:
@@ -132,8 +131,8 @@ class Ingest:
                               DropDuplicateFrames(config.dedup_threshold, stats),
                               *self.video_stages]
         if config.observers:
-            self.observer = FrameObserver(self.detectors)
-            video.append(ObserveFrames(self.observer, stats, max_age, self.degradation))
+            video.append(ObserveFrames(FrameObserver(self.detectors), stats, max_age,
+                                       self.degradation))
         video.append(EncodeFrames(self.clip, self.projector, config.embedding_dedup, stats,
                                   max_age))
         audio: list[Stage] = []
