@@ -69,7 +69,7 @@ class EngineStats:
     answers_finished: int = 0
     answers_cancelled: int = 0
     answers_failed: int = 0
-    dropped: Counter = field(default_factory=Counter)  # reason -> live items of closed sessions
+    dropped: Counter = field(default_factory=Counter)  # closed sessions and failed steps
     busy_seconds: float = 0.0  # time spent running steps
     unprotected_tokens: int = 0
     errors: int = 0
