@@ -171,12 +171,11 @@ class StreamgrokServer:
         """How long the oldest question still without a first token has waited."""
         return max((c.oldest_wait(now) for c in self.connections), default=0.0)
 
-    def question_admission(self, max_tokens: int) -> str:
-        """Why a new question (of up to `max_tokens`) is refused now (`busy`), or empty to
-        queue it."""
+    def question_admission(self) -> str:
+        """Why a new question is refused now (`busy`), or empty to queue it."""
         if self.config.load_tick_s is None:  # the governor is off
             return ""
-        return self.governor.admit_question(self.oldest_wait(time.monotonic()), max_tokens)
+        return self.governor.admit_question(self.oldest_wait(time.monotonic()))
 
     async def stop(self) -> None:
         """Close every connection and stop the engine and media workers (idempotent)."""

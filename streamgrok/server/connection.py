@@ -182,7 +182,7 @@ class ClientConnection:
                                 f"{len(self.answers)} queries in flight (max "
                                 f"{self.config.max_inflight_queries})", message.get("id"))
         self._check_text_size(message)
-        refused = self.server.question_admission(self.runner.pipeline.sampling.max_tokens)
+        refused = self.server.question_admission()
         if refused:
             self.server.metrics.refused_questions.inc()
             raise ProtocolError("busy", refused, message.get("id"))
@@ -279,9 +279,8 @@ class ClientConnection:
                 self.send("response.delta", query_id=_query_id(item), delta=item.text)
             case DoneEvent():
                 self.server.metrics.observe_answer(item.metrics)
-                ttft, tbt = item.metrics.get("ttft_ms"), item.metrics.get("tbt_ms_mean")
-                self.server.governor.record_answer(None if ttft is None else ttft / 1e3,
-                                                   None if tbt is None else tbt / 1e3)
+                if item.metrics.get("ttft_ms") is not None:
+                    self.server.governor.record_ttft(item.metrics["ttft_ms"] / 1e3)
                 self.send("response.done", query_id=_query_id(item), text=item.text,
                           **item.metrics)
             case ErrorEvent(answer_id=int()):  # that answer failed, nothing else

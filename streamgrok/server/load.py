@@ -15,9 +15,8 @@ session, a moving average of the workers' CPU per session. A session that would 
 past its limit first degrades live sampling, and at the lowest rate is refused, also when many
 clients connect at once. The engine's time does not add up that way (the answers of many
 sessions decode in one batch), so it is guarded at the question instead: while the oldest
-question has waited longer than the first-token target, or answers get their tokens so slowly
-that a new one would end past the answer deadline, new questions get `busy` rather than a
-place in a queue they cannot leave in time. A session that leaves frees its share at once.
+question has waited longer than the first-token target, new questions get `busy` rather than
+a place in a queue they cannot leave in time. A session that leaves frees its share at once.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ class LoadLimits:
     ttft_target_s: float = 2.0
     stale_high: float = 0.25  # fraction of live frames that went stale
     stale_low: float = 0.05
-    answer_deadline_s: float = 20.0  # a new answer should be done within this
     min_fps_scale: float = 0.25
     calm_ticks: int = 3  # calm ticks in a row before the rate doubles back
     ttft_window_s: float = 20.0
@@ -69,36 +67,20 @@ class LoadGovernor:
     session_cpu: float | None = None  # the share of the cores one more session adds
     _calm: int = 0
     _ttfts: deque = field(default_factory=deque)  # (when, seconds)
-    _tbts: deque = field(default_factory=deque)  # (when, mean seconds between tokens)
 
-    def record_answer(self, ttft_s: float | None, tbt_s: float | None,
-                      now: float | None = None) -> None:
-        """A finished answer's time to first token and mean time between tokens."""
-        now = time.monotonic() if now is None else now
-        if ttft_s is not None:
-            self._ttfts.append((now, ttft_s))
-        if tbt_s is not None:
-            self._tbts.append((now, tbt_s))
+    def record_ttft(self, seconds: float, now: float | None = None) -> None:
+        self._ttfts.append((time.monotonic() if now is None else now, seconds))
 
     def recent_ttft(self, now: float) -> float:
-        """p95 of the first tokens of the last `ttft_window_s` (0 when none)."""
-        return self._recent(self._ttfts, now, 95)
-
-    def recent_tbt(self, now: float) -> float:
-        """Median time between tokens of the answers of the last `ttft_window_s`."""
-        return self._recent(self._tbts, now, 50)
-
-    def _recent(self, window: deque, now: float, q: float) -> float:
-        while window and now - window[0][0] > self.limits.ttft_window_s:
-            window.popleft()
-        return percentile([s for _, s in window], q) if window else 0.0
+        while self._ttfts and now - self._ttfts[0][0] > self.limits.ttft_window_s:
+            self._ttfts.popleft()
+        return percentile([s for _, s in self._ttfts], 95) if self._ttfts else 0.0
 
     def tick(self, reading: LoadReading) -> None:
         """Apply one tick's measurements to the degradation level and admission."""
         self.last = reading
         if not reading.sessions:  # nobody left: what the last load measured no longer holds
             self._ttfts.clear()
-            self._tbts.clear()
             self.refusing, self._calm = "", 0
             self.degradation.fps_scale, self.degradation.reason = 1.0, ""
             return
@@ -142,22 +124,15 @@ class LoadGovernor:
             return ""
         return why
 
-    def admit_question(self, oldest_wait_s: float, max_tokens: int = 0,
-                       now: float | None = None) -> str:
-        """Why a new question must be refused now (empty: queue it). The engine is behind
+    def admit_question(self, oldest_wait_s: float) -> str:
+        """Why a new question must be refused now (empty: queue it): the engine is behind
         when the oldest question still waiting for its first token has waited past the
-        first-token target, or when an answer of `max_tokens` at the recent time between
-        tokens (all answers decode together, one token each a step) would end past the
-        answer deadline."""
-        limits = self.limits
-        if oldest_wait_s > limits.ttft_target_s:
-            return (f"the engine is behind: a question has waited {oldest_wait_s:.1f} s for "
-                    f"its first token (target {limits.ttft_target_s:g} s)")
-        tbt = self.recent_tbt(time.monotonic() if now is None else now)
-        if max_tokens * tbt > limits.answer_deadline_s:
-            return (f"the engine is behind: answers get a token every {tbt * 1e3:.0f} ms, so "
-                    f"{max_tokens} tokens would take past {limits.answer_deadline_s:g} s")
-        return ""
+        first-token target."""
+        target = self.limits.ttft_target_s
+        if oldest_wait_s <= target:
+            return ""
+        return (f"the engine is behind: a question has waited {oldest_wait_s:.1f} s for its "
+                f"first token (target {target:g} s)")
 
     def _overload(self, reading: LoadReading) -> str:
         limits = self.limits
