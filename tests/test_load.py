@@ -6,10 +6,11 @@ from streamgrok.pipeline.degradation import Degradation
 from streamgrok.server.load import LoadGovernor, LoadLimits, LoadReading
 
 
-def reading(cpu=0.3, media_cpu=None, ttft_s=0.4, stale=0.0, sessions=4) -> LoadReading:
+def reading(cpu=0.3, media_cpu=None, ttft_s=0.4, stale=0.0, sessions=4,
+            decode_rate=None) -> LoadReading:
     media_cpu = cpu / 2 if media_cpu is None else media_cpu
     return LoadReading(cpu=cpu, media_cpu=media_cpu, ttft_s=ttft_s, stale=stale,
-                       sessions=sessions)
+                       sessions=sessions, decode_rate=decode_rate)
 
 
 def governor() -> LoadGovernor:
@@ -80,6 +81,11 @@ def test_questions_are_refused_while_the_engine_is_behind():
     gov = governor()
     assert gov.admit_question(1.5) == ""  # within the 2 s first-token target: queued
     assert "waited 3.0 s" in gov.admit_question(3.0)
+    assert gov.admit_question(0.5, backlog_tokens=10_000, max_tokens=64) == ""  # rate unknown
+    gov.tick(reading(sessions=8, decode_rate=50.0))  # measured under load: 50 tokens/s
+    assert gov.admit_question(0.5, backlog_tokens=900, max_tokens=64) == ""  # 19.3 s
+    refused = gov.admit_question(0.5, backlog_tokens=1000, max_tokens=64)  # 21.3 s > 20 s
+    assert "1000 tokens of answers in flight at 50 tokens/s" in refused
 
 
 def test_the_engine_answering_one_session_is_not_taken_for_a_per_session_cost():

@@ -38,6 +38,13 @@ class Answer:
     def metrics(self) -> AnswerMetrics:
         return self._state.metrics
 
+    @property
+    def remaining_tokens(self) -> int:
+        """At most how many tokens this answer may still generate (0 once finished)."""
+        if self.finished:
+            return 0
+        return max(0, self._state.sampling.max_tokens - self._state.metrics.tokens)
+
     def cancel(self) -> None:
         """Stop generating at the next step; the iterator then ends."""
         self._state.cancel_requested.set()

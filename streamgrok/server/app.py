@@ -140,9 +140,17 @@ class StreamgrokServer:
     async def _govern(self) -> None:
         """Measure the load every tick and let the governor degrade, restore or refuse."""
         received = stale = 0
+        decoded, since = self.engine.snapshot()["decode_tokens"], time.monotonic()
         self.cpu.read()
         while True:
+            answering = self.backlog_tokens() > 0
             await asyncio.sleep(self.config.load_tick_s)
+            new_decoded, now = self.engine.snapshot()["decode_tokens"], time.monotonic()
+            # tokens a second the engine decoded, measured over ticks that began with answers
+            # in flight (the rate a backlog of answers drains at)
+            rate = (new_decoded - decoded) / (now - since) \
+                if answering and new_decoded > decoded else None
+            decoded, since = new_decoded, now
             drops = self.drops()
             frames = self.closed_frames + sum(c.frame_index for c in self.connections
                                               if c.runner is not None)
@@ -157,6 +165,7 @@ class StreamgrokServer:
                 ttft_s=max(self.governor.recent_ttft(now), self.oldest_wait(now)),
                 stale=new_stale / new_frames if new_frames > 0 else 0.0,
                 sessions=self.active_sessions,
+                decode_rate=rate,
             ))
             self.metrics.degraded.set(self.resources.degradation.fps_scale)
 
@@ -171,11 +180,17 @@ class StreamgrokServer:
         """How long the oldest question still without a first token has waited."""
         return max((c.oldest_wait(now) for c in self.connections), default=0.0)
 
-    def question_admission(self) -> str:
-        """Why a new question is refused now (`busy`), or empty to queue it."""
+    def backlog_tokens(self) -> int:
+        """Tokens the answers in flight may still generate, over every session."""
+        return sum(a.remaining_tokens for c in self.connections for a in c.answers.values())
+
+    def question_admission(self, max_tokens: int) -> str:
+        """Why a new question (of up to `max_tokens`) is refused now (`busy`), or empty to
+        queue it."""
         if self.config.load_tick_s is None:  # the governor is off
             return ""
-        return self.governor.admit_question(self.oldest_wait(time.monotonic()))
+        return self.governor.admit_question(self.oldest_wait(time.monotonic()),
+                                            self.backlog_tokens(), max_tokens)
 
     async def stop(self) -> None:
         """Close every connection and stop the engine and media workers (idempotent)."""

@@ -182,7 +182,7 @@ class ClientConnection:
                                 f"{len(self.answers)} queries in flight (max "
                                 f"{self.config.max_inflight_queries})", message.get("id"))
         self._check_text_size(message)
-        refused = self.server.question_admission()
+        refused = self.server.question_admission(self.runner.pipeline.sampling.max_tokens)
         if refused:
             self.server.metrics.refused_questions.inc()
             raise ProtocolError("busy", refused, message.get("id"))

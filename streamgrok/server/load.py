@@ -15,8 +15,10 @@ session, a moving average of the workers' CPU per session. A session that would 
 past its limit first degrades live sampling, and at the lowest rate is refused, also when many
 clients connect at once. The engine's time does not add up that way (the answers of many
 sessions decode in one batch), so it is guarded at the question instead: while the oldest
-question has waited longer than the first-token target, new questions get `busy` rather than
-a place in a queue they cannot leave in time. A session that leaves frees its share at once.
+question has waited longer than the first-token target, or the answers in flight would take
+longer than the answer deadline to finish at the decode rate measured under load, new
+questions get `busy` rather than a place in a queue they cannot leave in time. A session that
+leaves frees its share at once.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class LoadLimits:
     ttft_target_s: float = 2.0
     stale_high: float = 0.25  # fraction of live frames that went stale
     stale_low: float = 0.05
+    answer_deadline_s: float = 20.0  # a new answer should be done within this
     min_fps_scale: float = 0.25
     calm_ticks: int = 3  # calm ticks in a row before the rate doubles back
     ttft_window_s: float = 20.0
@@ -54,6 +57,7 @@ class LoadReading:
     ttft_s: float  # p95 of recent first tokens, or the oldest wait for one, if longer
     stale: float  # fraction of live frames that went stale since the last tick
     sessions: int
+    decode_rate: float | None = None  # tokens/s decoded while answers were in flight
 
 
 @dataclass
@@ -65,6 +69,7 @@ class LoadGovernor:
     last: LoadReading | None = None
     refusing: str = ""  # why new sessions are refused now, empty when admitted
     session_cpu: float | None = None  # the share of the cores one more session adds
+    decode_rate: float | None = None  # tokens/s the engine decodes under load (average)
     _calm: int = 0
     _ttfts: deque = field(default_factory=deque)  # (when, seconds)
 
@@ -86,6 +91,10 @@ class LoadGovernor:
             return
         share, old = reading.media_cpu / reading.sessions, self.session_cpu
         self.session_cpu = share if old is None else 0.7 * old + 0.3 * share
+        if reading.decode_rate:
+            old = self.decode_rate
+            self.decode_rate = reading.decode_rate if old is None else \
+                0.7 * old + 0.3 * reading.decode_rate
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
@@ -124,15 +133,23 @@ class LoadGovernor:
             return ""
         return why
 
-    def admit_question(self, oldest_wait_s: float) -> str:
-        """Why a new question must be refused now (empty: queue it): the engine is behind
+    def admit_question(self, oldest_wait_s: float, backlog_tokens: int = 0,
+                       max_tokens: int = 0) -> str:
+        """Why a new question must be refused now (empty: queue it). The engine is behind
         when the oldest question still waiting for its first token has waited past the
-        first-token target."""
-        target = self.limits.ttft_target_s
-        if oldest_wait_s <= target:
-            return ""
-        return (f"the engine is behind: a question has waited {oldest_wait_s:.1f} s for its "
-                f"first token (target {target:g} s)")
+        first-token target, or when the tokens the answers in flight may still generate
+        (`backlog_tokens`), plus this answer's `max_tokens`, would take longer than the
+        answer deadline at the decode rate measured under load."""
+        limits = self.limits
+        if oldest_wait_s > limits.ttft_target_s:
+            return (f"the engine is behind: a question has waited {oldest_wait_s:.1f} s for "
+                    f"its first token (target {limits.ttft_target_s:g} s)")
+        rate = self.decode_rate
+        if rate and (backlog_tokens + max_tokens) / rate > limits.answer_deadline_s:
+            return (f"the engine is behind: {backlog_tokens} tokens of answers in flight at "
+                    f"{rate:.0f} tokens/s would keep a new answer past "
+                    f"{limits.answer_deadline_s:g} s")
+        return ""
 
     def _overload(self, reading: LoadReading) -> str:
         limits = self.limits
