@@ -67,11 +67,8 @@ class Row:
 
     @property
     def fps_per_session(self) -> float:
-        served = [r for r in self.results if r.stats]
-        if not served:
-            return float("nan")
-        return sum(r.stats.get("frames", {}).get("processed", 0) for r in served) \
-            / len(served) / self.seconds
+        served = sum(1 for r in self.results if r.stats)
+        return self.processed / served / self.seconds if served else float("nan")
 
 
 async def run_row(url: str, server: ServerProcess | None, clients: int, args) -> Row:

@@ -70,7 +70,6 @@ class EngineStats:
     answers_cancelled: int = 0
     answers_failed: int = 0
     dropped: Counter = field(default_factory=Counter)  # closed sessions and failed steps
-    busy_seconds: float = 0.0  # time spent running steps
     unprotected_tokens: int = 0
     errors: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))
@@ -79,7 +78,6 @@ class EngineStats:
         self.steps += 1
         self.decode_tokens += step.decode_tokens
         self.prefill_tokens += step.prefill_tokens
-        self.busy_seconds += step.seconds
         self.recent.append(step)
 
 

@@ -151,7 +151,6 @@ class Scheduler:
         return {
             "sessions": len(sessions),
             "steps": stats.steps,
-            "busy_seconds": stats.busy_seconds,
             "decode_tokens": stats.decode_tokens,
             "prefill_tokens": stats.prefill_tokens,
             "answers": {

@@ -46,9 +46,14 @@ TICK_SECONDS = 0.5
 INNER_EDGE = Edge(capacity=4, policy="block")  # between built-in stages: the input drops
 
 
-def stale(frame: VideoFrame, max_age_s: float | None) -> bool:
-    """Whether a live frame waited past its freshness bound since it came in."""
-    return max_age_s is not None and time.monotonic() - frame.arrived > max_age_s
+def drop_if_stale(frame: VideoFrame, max_age_s: float | None,
+                  stats: IngestStats) -> list[Watermark] | None:
+    """A live frame that waited past its freshness bound since it came in is dropped (and
+    counted): its watermark, else None."""
+    if max_age_s is None or time.monotonic() - frame.arrived <= max_age_s:
+        return None
+    stats.stale_dropped += 1
+    return [Watermark(frame.pts)]
 
 
 @dataclass
@@ -128,9 +133,8 @@ class ObserveFrames(Stage):
     async def process(self, item: Any) -> list[Any] | None:
         if not isinstance(item, VideoFrame):
             return None
-        if stale(item, self.max_age_s):
-            self.stats.stale_dropped += 1
-            return [Watermark(item.pts)]
+        if dropped := drop_if_stale(item, self.max_age_s, self.stats):
+            return dropped
         self.observer.schedule.stretch = 1.0 / self.degradation.fps_scale
         try:
             note = await asyncio.to_thread(self.observer.observe, item)
@@ -165,9 +169,8 @@ class EncodeFrames(Stage):
             return None
         if self.clip is None or self.projector is None:
             return [Watermark(item.pts)]
-        if stale(item, self.max_age_s):
-            self.stats.stale_dropped += 1
-            return [Watermark(item.pts)]
+        if dropped := drop_if_stale(item, self.max_age_s, self.stats):
+            return dropped
         tokens = await asyncio.to_thread(self._encode, item)
         if tokens is None:
             self.stats.embedding_dropped += 1

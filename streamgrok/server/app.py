@@ -157,7 +157,6 @@ class StreamgrokServer:
             new_stale = drops.get("frames_stale", 0) - stale
             new_frames = frames - received
             received, stale = frames, drops.get("frames_stale", 0)
-            now = time.monotonic()
             cpu, media_cpu = self.cpu.read()
             self.governor.tick(LoadReading(
                 cpu=cpu,

@@ -89,18 +89,14 @@ class LoadGovernor:
             self.refusing, self._calm = "", 0
             self.degradation.fps_scale, self.degradation.reason = 1.0, ""
             return
-        share, old = reading.media_cpu / reading.sessions, self.session_cpu
-        self.session_cpu = share if old is None else 0.7 * old + 0.3 * share
+        self.session_cpu = _average(self.session_cpu, reading.media_cpu / reading.sessions)
         if reading.decode_rate:
-            old = self.decode_rate
-            self.decode_rate = reading.decode_rate if old is None else \
-                0.7 * old + 0.3 * reading.decode_rate
+            self.decode_rate = _average(self.decode_rate, reading.decode_rate)
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
             self._calm = 0
-            if level.fps_scale > limits.min_fps_scale:
-                level.fps_scale = max(limits.min_fps_scale, level.fps_scale / 2)
+            self._halve_rate(over)
             level.reason = over
             self.refusing = over if level.fps_scale <= limits.min_fps_scale else ""
             return
@@ -119,19 +115,22 @@ class LoadGovernor:
         sampling (admitted); at the lowest rate it is refused."""
         if self.refusing:
             return self.refusing
-        limits, level, last = self.limits, self.degradation, self.last
-        cost = self.session_cpu
+        cost, last = self.session_cpu, self.last
         if cost is None or last is None:
             return ""
         projected = last.cpu + (sessions + 1 - last.sessions) * cost
-        if projected <= limits.cpu_high:
+        if projected <= self.limits.cpu_high:
             return ""
         why = f"{sessions + 1} sessions would need {projected:.0%} of the CPU"
-        if level.fps_scale > limits.min_fps_scale:
-            level.fps_scale = max(limits.min_fps_scale, level.fps_scale / 2)
-            level.reason = why
-            return ""
-        return why
+        return "" if self._halve_rate(why) else why
+
+    def _halve_rate(self, why: str) -> bool:
+        """Halve live sampling for `why`, not below the floor; False when already there."""
+        level, floor = self.degradation, self.limits.min_fps_scale
+        if level.fps_scale <= floor:
+            return False
+        level.fps_scale, level.reason = max(floor, level.fps_scale / 2), why
+        return True
 
     def admit_question(self, oldest_wait_s: float, backlog_tokens: int = 0,
                        max_tokens: int = 0) -> str:
@@ -191,3 +190,8 @@ class CpuMeter:
                 continue
             children += times.user + times.system
         return own.user + own.system, children
+
+
+def _average(old: float | None, new: float) -> float:
+    """A moving average that follows the last few ticks."""
+    return new if old is None else 0.7 * old + 0.3 * new
