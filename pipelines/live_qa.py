@@ -19,6 +19,9 @@ def build_pipeline(options: dict) -> Pipeline:
             fps=option(options, "fps", 1.0),  # frames sampled per second
             live=option(options, "live", False),  # real-time pacing, drop oldest frames
             transcribe=option(options, "transcribe", True),
+            # server configuration: base (Whisper, offline), small, medium, a local
+            # faster-whisper folder, or pocketsphinx
+            speech_model=option(options, "speech_model", "base"),
         ),
         clip=clip,
         projector=projector,

@@ -1,17 +1,16 @@
-"""Audio: voice activity with silero-vad (its sequence ONNX model, shipped in the package)
-and a pluggable transcriber (pocketsphinx's en-us model by default). Input is 16 kHz mono
-float audio."""
+"""Audio: voice activity with silero-vad (its sequence ONNX model, shipped in the package),
+speech segments, and the notes their transcripts become (recognisers: `transcribers`).
+Input is 16 kHz mono float audio."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from importlib import resources
-from typing import Protocol
 
 import numpy as np
 
 from streamgrok.media.items import AudioChunk, Note
+from streamgrok.media.transcribers import Transcriber, Transcript
 from streamgrok.stream_tokens import Modality
 
 RATE = 16_000
@@ -19,39 +18,12 @@ WINDOW = 512  # samples per silero-vad step at 16 kHz
 CONTEXT = 64  # samples of the previous window each step also sees
 
 
-class Transcriber(Protocol):
-    """Turns one speech segment into text."""
-
-    def transcribe(self, samples: np.ndarray, rate: int) -> str: ...
-
-
-class PocketSphinxTranscriber:
-    """Offline transcription with pocketsphinx's bundled en-us model (free-form accuracy on
-    synthetic speech is modest; replace it with a better engine through `Transcriber`)."""
-
-    def __init__(self) -> None:
-        from pocketsphinx import Decoder
-
-        self.decoder = Decoder(samprate=RATE, loglevel="FATAL")
-        self._lock = threading.Lock()  # one utterance at a time: sessions share a decoder
-
-    def transcribe(self, samples: np.ndarray, rate: int) -> str:
-        if rate != RATE:
-            raise ValueError(f"pocketsphinx expects {RATE} Hz audio, got {rate}")
-        pcm = (np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes()
-        with self._lock:
-            self.decoder.start_utt()
-            self.decoder.process_raw(pcm, full_utt=True)
-            self.decoder.end_utt()
-            hypothesis = self.decoder.hyp()
-        return hypothesis.hypstr if hypothesis else ""
-
-
 @dataclass
 class SpeechSegment:
     start: float
     end: float
     samples: np.ndarray
+    continues: bool = False  # cut from longer speech that goes on after it
 
 
 class SpeechModel:
@@ -87,21 +59,25 @@ class SpeechDetector:
     """Streaming voice activity detection; yields finished speech segments.
 
     Speech starts at a window scoring >= `threshold` and ends after `min_silence_ms` of
-    windows scoring below `threshold - 0.15` (silero's own hysteresis); a segment longer than
-    `max_segment_s` is cut there.
+    windows scoring below `threshold - 0.15` (silero's own hysteresis). Speech going on past
+    `max_segment_s` is cut at its quietest window of the last `cut_search_s` (most likely
+    between words) and goes on as a new segment, so long speech gives partial transcripts.
     """
 
     def __init__(self, model: SpeechModel | None = None, threshold: float = 0.5,
-                 min_silence_ms: int = 300, max_segment_s: float = 15.0) -> None:
+                 min_silence_ms: int = 300, max_segment_s: float = 8.0,
+                 cut_search_s: float = 1.5) -> None:
         self.model = model or SpeechModel()
         self.threshold = threshold
         self.min_silence = min_silence_ms * RATE // 1000
         self.max_segment = int(max_segment_s * RATE)
+        self.cut_search = max(1, int(cut_search_s * RATE) // WINDOW)
         self._state = new_vad_state()
         self._context = np.zeros(CONTEXT, dtype=np.float32)
         self._pending = np.zeros(0, dtype=np.float32)
         self._clock: float | None = None  # stream time of the first sample in _pending
         self._speech: list[np.ndarray] = []
+        self._probs: list[float] = []
         self._speech_start: float | None = None
         self._silent_since: float | None = None
 
@@ -132,7 +108,9 @@ class SpeechDetector:
             if prob < self.threshold:
                 return None
             self._speech_start, self._speech, self._silent_since = t, [], None
+            self._probs = []
         self._speech.append(window)
+        self._probs.append(prob)
         end = t + WINDOW / RATE
         if prob >= self.threshold:
             self._silent_since = None
@@ -140,9 +118,22 @@ class SpeechDetector:
             self._silent_since = t
         silent = self._silent_since is not None and \
             (end - self._silent_since) * RATE >= self.min_silence
-        if silent or len(self._speech) * WINDOW >= self.max_segment:
+        if silent:
             return self._close(end)
+        if len(self._speech) * WINDOW >= self.max_segment:
+            return self._cut_long_speech()
         return None
+
+    def _cut_long_speech(self) -> SpeechSegment:
+        search = self._probs[-self.cut_search:]
+        keep = len(self._probs) - len(search) + int(np.argmin(search)) + 1
+        start = self._speech_start
+        cut_at = start + keep * WINDOW / RATE
+        segment = SpeechSegment(start, cut_at, np.concatenate(self._speech[:keep]),
+                                continues=True)
+        self._speech, self._probs = self._speech[keep:], self._probs[keep:]
+        self._speech_start = cut_at
+        return segment
 
     @property
     def open_since(self) -> float | None:
@@ -155,8 +146,10 @@ class SpeechDetector:
         return [self._close(self._clock or 0.0)]
 
     def _close(self, end: float) -> SpeechSegment:
-        segment = SpeechSegment(self._speech_start, end, np.concatenate(self._speech))
+        samples = np.concatenate(self._speech) if self._speech else np.zeros(0, np.float32)
+        segment = SpeechSegment(self._speech_start, end, samples)
         self._speech_start, self._speech, self._silent_since = None, [], None
+        self._probs = []
         return segment
 
 
@@ -169,23 +162,29 @@ class AudioObserver:
         self.transcriber = transcriber
 
     def feed(self, chunk: AudioChunk) -> list[Note]:
-        return [self._note(s) for s in self.detector.feed(chunk)]
+        return [n for s in self.detector.feed(chunk) for n in self._notes(s)]
 
     def flush(self) -> list[Note]:
-        return [self._note(s) for s in self.detector.flush()]
+        return [n for s in self.detector.flush() for n in self._notes(s)]
 
-    def watermark(self, heard_until: float) -> float:
-        """The time before which no more notes can come."""
-        open_since = self.detector.open_since
-        return heard_until if open_since is None else min(heard_until, open_since)
-
-    def _note(self, segment: SpeechSegment) -> Note:
-        text = self.transcriber.transcribe(segment.samples, RATE) if self.transcriber else ""
-        return speech_note(segment, text)
+    def _notes(self, segment: SpeechSegment) -> list[Note]:
+        transcript = (self.transcriber.transcribe(segment.samples, RATE)
+                      if self.transcriber else Transcript(""))
+        return speech_notes(segment, transcript)
 
 
-def speech_note(segment: SpeechSegment, text: str) -> Note:
-    """The note a speech segment becomes: its transcript, or "speech" when none."""
-    words = f'speech: "{text}"' if text else "speech"
-    return Note(f"{words} ({segment.end - segment.start:.1f} s)", segment.start,
-                modality=Modality.AUDIO, tags={"speech"})
+def speech_notes(segment: SpeechSegment, transcript: Transcript) -> list[Note]:
+    """The notes a speech segment becomes: one per sentence it said, each at the time its
+    first word was heard, quoting it; "speech" alone when nothing was recognised."""
+    sentences = transcript.sentences()
+    if not sentences:
+        return [Note(f"speech ({segment.end - segment.start:.1f} s)", segment.start,
+                     modality=Modality.AUDIO, tags={"speech"})]
+    notes = []
+    for index, (offset, text) in enumerate(sentences):
+        last = index == len(sentences) - 1
+        goes_on = " (continues)" if last and segment.continues else ""
+        at = segment.start + min(max(offset, 0.0), segment.end - segment.start)
+        notes.append(Note(f'said: "{text}"{goes_on}', at,
+                          modality=Modality.AUDIO, tags={"speech", "transcript"}))
+    return notes

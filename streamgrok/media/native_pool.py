@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from streamgrok.errors import StreamgrokError
-from streamgrok.media.native_worker import ImageLimits
+from streamgrok.media.native_worker import Detections, ImageLimits
 from streamgrok.media.wire import read_message, write_message
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -115,12 +115,13 @@ class NativeMediaPool:
         header, body = self._call({"op": "decode", "limits": asdict(self.limits)}, data)
         return np.frombuffer(body, dtype=np.uint8).reshape(header["shape"])
 
-    def detect(self, image: np.ndarray, faces: bool, people: bool) -> tuple[int, int]:
-        """(faces, people) OpenCV finds in an RGB image."""
+    def detect(self, image: np.ndarray, faces: bool, people: bool,
+               cats: bool = False) -> Detections:
+        """What OpenCV's detectors find in an RGB image."""
         image = np.ascontiguousarray(image, dtype=np.uint8)
         header, _ = self._call({"op": "detect", "shape": list(image.shape), "faces": faces,
-                                "people": people}, image.tobytes())
-        return int(header["faces"]), int(header["people"])
+                                "people": people, "cats": cats}, image.tobytes())
+        return Detections(int(header["faces"]), int(header["people"]), int(header["cats"]))
 
     def crash_one_worker(self) -> None:
         """Fault injection: make a worker abort as a native crash would (tests, soak)."""

@@ -69,8 +69,18 @@ def decode_frame(data: bytes, limits: ImageLimits) -> np.ndarray:
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
 
+@dataclass(frozen=True)
+class Detections:
+    """How many of each thing the detectors found in one frame."""
+
+    faces: int = 0
+    people: int = 0
+    cats: int = 0
+
+
 class Detectors:
-    """OpenCV's Haar face cascade and HOG people detector, loaded once per worker."""
+    """OpenCV's Haar face and cat-face cascades and HOG people detector, loaded once per
+    worker."""
 
     def __init__(self) -> None:
         import cv2
@@ -79,23 +89,30 @@ class Detectors:
         self.cv2 = cv2
         self.faces = cv2.CascadeClassifier(
             cv2.data.haarcascades + "haarcascade_frontalface_default.xml")
+        self.cat_faces = cv2.CascadeClassifier(
+            cv2.data.haarcascades + "haarcascade_frontalcatface_extended.xml")
         self.hog = cv2.HOGDescriptor()
         self.hog.setSVMDetector(cv2.HOGDescriptor_getDefaultPeopleDetector())
 
-    def detect(self, image: np.ndarray, faces: bool, people: bool) -> tuple[int, int]:
-        """(faces, people) in an RGB image; a detector whose window does not fit the image
-        finds nothing (OpenCV's HOG corrupts memory on images smaller than its window)."""
+    def detect(self, image: np.ndarray, faces: bool, people: bool,
+               cats: bool = False) -> Detections:
+        """What is in an RGB image; a detector whose window does not fit the image finds
+        nothing (OpenCV's HOG corrupts memory on images smaller than its window)."""
         height, width = image.shape[:2]
-        found_faces = found_people = 0
-        if faces and min(width, height) >= 24:
+        found_faces = found_people = found_cats = 0
+        if (faces or cats) and min(width, height) >= 24:
             gray = self.cv2.cvtColor(image, self.cv2.COLOR_RGB2GRAY)
-            found_faces = len(self.faces.detectMultiScale(
-                gray, scaleFactor=1.1, minNeighbors=5, minSize=(24, 24)))
+            if faces:
+                found_faces = len(self.faces.detectMultiScale(
+                    gray, scaleFactor=1.1, minNeighbors=5, minSize=(24, 24)))
+            if cats:
+                found_cats = len(self.cat_faces.detectMultiScale(
+                    gray, scaleFactor=1.08, minNeighbors=3, minSize=(24, 24)))
         if people and width >= HOG_WINDOW[0] and height >= HOG_WINDOW[1]:
             _, weights = self.hog.detectMultiScale(image, winStride=(8, 8), padding=(8, 8),
                                                    scale=1.05)
             found_people = int(sum(1 for w in np.ravel(weights) if w > 0.5))
-        return found_faces, found_people
+        return Detections(found_faces, found_people, found_cats)
 
 
 def handle(request: dict, payload: bytes, detectors: Detectors) -> tuple[dict, bytes]:
@@ -106,8 +123,9 @@ def handle(request: dict, payload: bytes, detectors: Detectors) -> tuple[dict, b
         return {"shape": list(image.shape)}, image.tobytes()
     if op == "detect":
         image = np.frombuffer(payload, dtype=np.uint8).reshape(request["shape"])
-        faces, people = detectors.detect(image, request["faces"], request["people"])
-        return {"faces": faces, "people": people}, b""
+        found = detectors.detect(image, request["faces"], request["people"],
+                                 request.get("cats", False))
+        return {"faces": found.faces, "people": found.people, "cats": found.cats}, b""
     if op == "abort":  # fault injection for tests: die the way a native crash does
         import os
 

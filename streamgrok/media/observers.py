@@ -1,6 +1,9 @@
-"""Offline observers with OpenCV (<5): faces (Haar), people (HOG), motion, scene cuts, colours.
+"""The offline frame observer: an event log of what changed in the picture.
 
-They give a pipeline real, honest notes about the video when no CLIP weights are configured.
+Scene cuts, people, faces and cat faces appearing and leaving (OpenCV Haar and HOG detectors,
+counts), moving objects with colour and direction (`tracking`), the scene's colours when they
+change, and text on screen (`text_reader`). A frame where nothing changed gives no note, so
+the model's context holds what happened, each event with its time, not the same line again.
 """
 
 from __future__ import annotations
@@ -12,23 +15,19 @@ from typing import Protocol
 import cv2
 import numpy as np
 
+from streamgrok.media.colours import dominant_colours
 from streamgrok.media.items import Note, VideoFrame
-from streamgrok.media.native_worker import Detectors
-
-# Named colours for describing dominant colours in words (RGB).
-PALETTE = {
-    "black": (20, 20, 20), "white": (235, 235, 235), "grey": (128, 128, 128),
-    "red": (200, 30, 30), "orange": (240, 140, 30), "yellow": (235, 215, 40),
-    "green": (40, 160, 60), "blue": (40, 80, 200), "purple": (130, 50, 160),
-    "pink": (235, 130, 170), "brown": (120, 75, 40), "beige": (215, 195, 160),
-}
+from streamgrok.media.native_worker import Detections, Detectors
+from streamgrok.media.text_reader import TextReader
+from streamgrok.media.tracking import MotionTracker
 
 
 class FrameDetectors(Protocol):
-    """Counts faces and people in an RGB frame: `native_worker.Detectors` in this process, or
-    a `NativeMediaPool` that runs them in worker processes."""
+    """Counts faces, people and cat faces in an RGB frame: `native_worker.Detectors` in this
+    process, or a `NativeMediaPool` that runs them in worker processes."""
 
-    def detect(self, image: np.ndarray, faces: bool, people: bool) -> tuple[int, int]: ...
+    def detect(self, image: np.ndarray, faces: bool, people: bool,
+               cats: bool = False) -> Detections: ...
 
 
 @dataclass
@@ -69,63 +68,110 @@ class ObserverStats:
         return self.frames - self.detections
 
 
+COUNTED = (("people", "person", "people"), ("faces", "face", "faces"),
+           ("cats", "cat face", "cat faces"))
+
+
 class FrameObserver:
-    """Describes a sampled frame in a short note; repeats nothing that did not change."""
+    """Describes what changed since the last sampled frame in one short note, or None."""
 
     def __init__(self, detectors: FrameDetectors | None = None, faces: bool = True,
-                 people: bool = True, colours: bool = True, analysis_width: int = 400,
-                 schedule: DetectionSchedule | None = None) -> None:
+                 people: bool = True, cats: bool = True, colours: bool = True,
+                 text: bool | None = None, analysis_width: int = 400,
+                 schedule: DetectionSchedule | None = None,
+                 text_schedule: DetectionSchedule | None = None) -> None:
         self.detectors = detectors or Detectors()
-        self.find_faces = faces
-        self.find_people = people
+        self.find = {"faces": faces, "people": people, "cats": cats}
         self.colours = colours
+        self.reader = TextReader() if (TextReader.available() if text is None else text) \
+            else None
         self.width = analysis_width
         self.schedule = schedule or DetectionSchedule()
+        self.text_schedule = text_schedule or DetectionSchedule(3.0, 15.0, motion=0.02)
+        self.tracker = MotionTracker()
         self.stats = ObserverStats()
         self._previous_gray: np.ndarray | None = None
-        self._last_summary = ""
         self._last_detection: float | None = None
-        self._counts = (0, 0)
+        self._last_text_read: float | None = None
+        self._counts = Detections()
+        self._colours: tuple[str, ...] = ()
+        self._colour_candidate: tuple[str, ...] = ()
+        self._text = ""
 
     def observe(self, frame: VideoFrame) -> Note | None:
-        """A note when the description changed (or at a scene cut), else None."""
+        """A note of the events in this frame, or None when nothing changed."""
         started = time.perf_counter()
         image = _resize_to_width(frame.image, self.width)
         gray = cv2.cvtColor(image, cv2.COLOR_RGB2GRAY)
+        first = self._previous_gray is None
         motion = self.motion(gray)
-        cut = frame.scene_cut
+        cut = frame.scene_cut and not first
         self.stats.frames += 1
-        detect_s = 0.0
-        if (self.find_faces or self.find_people) and \
-                self.schedule.due(frame.pts, self._last_detection, motion, cut):
-            detect_started = time.perf_counter()
-            self._counts = self.detectors.detect(image, self.find_faces, self.find_people)
-            detect_s = time.perf_counter() - detect_started
-            self._last_detection = frame.pts
-            self.stats.detections += 1
-            self.stats.detect_seconds += detect_s
-        faces, people = self._counts
-        parts, tags = [], set()
-        if people:
-            parts.append(f"{people} {'person' if people == 1 else 'people'}")
-            tags.add("person")
-        if faces:
-            parts.append(f"{faces} face{'s' if faces > 1 else ''}")
-            tags.add("face")
-        if motion >= 0.05:
-            parts.append(f"motion {motion:.0%}")
-            tags.add("motion")
-        if self.colours:
-            parts.append("colours " + ", ".join(dominant_colours(image)))
-        summary = "; ".join(parts) if parts else "no people"
-        self.stats.other_seconds += time.perf_counter() - started - detect_s
+        events, tags = [], set()
         if cut:
+            events.append("scene cut: a different scene")
             tags.add("cut")
-        if summary == self._last_summary and not cut:
+        detect_s = self._detect(image, frame.pts, motion, cut or first, events, tags)
+        if self.colours:
+            self._colour_events(image, cut or first, events, tags)
+        moved = self.tracker.events(image, cut or first)
+        if moved:
+            events += moved
+            tags.add("motion")
+        if self.reader is not None and \
+                self.text_schedule.due(frame.pts, self._last_text_read, motion, cut):
+            self.text_schedule.stretch = self.schedule.stretch
+            self._last_text_read = frame.pts
+            self._text_events(image, events, tags)
+        self.stats.other_seconds += time.perf_counter() - started - detect_s
+        if not events:
             return None
-        self._last_summary = summary
-        text = ("scene cut; " if cut else "") + summary
-        return Note(text, frame.pts, source=frame.index, tags=tags, state_key="observer")
+        if first:
+            events.insert(0, "first view")
+        return Note("; ".join(events), frame.pts, source=frame.index, tags=tags)
+
+    def _detect(self, image: np.ndarray, pts: float, motion: float, cut: bool,
+                events: list[str], tags: set[str]) -> float:
+        if not any(self.find.values()) or \
+                not self.schedule.due(pts, self._last_detection, motion, cut):
+            return 0.0
+        started = time.perf_counter()
+        counts = self.detectors.detect(image, self.find["faces"], self.find["people"],
+                                       self.find["cats"])
+        seconds = time.perf_counter() - started
+        self._last_detection = pts
+        self.stats.detections += 1
+        self.stats.detect_seconds += seconds
+        for field_name, one, many in COUNTED:
+            before, now = getattr(self._counts, field_name), getattr(counts, field_name)
+            if now != before:
+                events.append(count_change(now - before, now, one, many))
+            if now:
+                tags.add(one.split()[0] if field_name != "cats" else "cat")
+        self._counts = counts
+        return seconds
+
+    def _colour_events(self, image: np.ndarray, new_scene: bool, events: list[str],
+                       tags: set[str]) -> None:
+        colours = tuple(sorted(dominant_colours(image)))
+        # a change must hold for two frames, so colours near a boundary do not flip
+        stable = colours == self._colour_candidate
+        self._colour_candidate = colours
+        if colours and (new_scene or (stable and colours != self._colours)):
+            self._colours = colours
+            events.append("colours " + ", ".join(dominant_colours(image)))
+            tags.add("colour")
+
+    def _text_events(self, image: np.ndarray, events: list[str], tags: set[str]) -> None:
+        text = self.reader.read(image)
+        if same_words(text, self._text):
+            return
+        if text:
+            events.append(f'text on screen: "{text}"')
+            tags.add("text")
+        elif self._text:
+            events.append("the text on screen is gone")
+        self._text = text
 
     def motion(self, gray: np.ndarray) -> float:
         """Fraction of pixels that changed clearly since the previous observed frame."""
@@ -136,14 +182,19 @@ class FrameObserver:
         return float((cv2.absdiff(small, previous) > 25).mean())
 
 
-def dominant_colours(image: np.ndarray, count: int = 2) -> list[str]:
-    """Names of the `count` most common palette colours of the image."""
-    small = cv2.resize(image, (32, 32), interpolation=cv2.INTER_AREA).reshape(-1, 3)
-    palette = np.array(list(PALETTE.values()), dtype=np.float32)
-    distances = ((small[:, None, :].astype(np.float32) - palette[None]) ** 2).sum(-1)
-    votes = np.bincount(distances.argmin(1), minlength=len(PALETTE))
-    names = list(PALETTE)
-    return [names[i] for i in votes.argsort()[::-1][:count] if votes[i] > 0]
+def count_change(delta: int, now: int, one: str, many: str) -> str:
+    """'1 person appeared (2 in view)', '2 faces left (none in view)'."""
+    word = one if abs(delta) == 1 else many
+    verb = "appeared" if delta > 0 else "left"
+    return f"{abs(delta)} {word} {verb} ({now or 'none'} in view)"
+
+
+def same_words(a: str, b: str) -> bool:
+    """Two OCR reads show the same text (most words shared; OCR varies a little)."""
+    left, right = set(a.lower().split()), set(b.lower().split())
+    if not left and not right:
+        return True
+    return len(left & right) / max(1, len(left | right)) >= 0.5
 
 
 def _resize_to_width(image: np.ndarray, width: int) -> np.ndarray:

@@ -45,15 +45,23 @@ DEMO_SCENES = [
 
 
 def photo(name: str | None, width: int, height: int) -> np.ndarray:
-    """A scikit-image sample photo resized to the frame (grey background for None)."""
+    """A scikit-image sample photo fitted into the frame without distortion, centred on a
+    dark grey background (the background alone for None)."""
+    canvas = np.full((height, width, 3), 90, dtype=np.uint8)
     if name is None:
-        return np.full((height, width, 3), 90, dtype=np.uint8)
+        return canvas
     import skimage.data
 
     image = getattr(skimage.data, name)()
     if image.ndim == 2:
         image = np.stack([image] * 3, axis=-1)
-    return cv2.resize(image[..., :3], (width, height), interpolation=cv2.INTER_AREA)
+    h, w = image.shape[:2]
+    scale = min(width / w, height / h)
+    fitted = cv2.resize(image[..., :3], (round(w * scale), round(h * scale)),
+                        interpolation=cv2.INTER_AREA)
+    top, left = (height - fitted.shape[0]) // 2, (width - fitted.shape[1]) // 2
+    canvas[top : top + fitted.shape[0], left : left + fitted.shape[1]] = fitted
+    return canvas
 
 
 def speak(text: str, rate: int = 16_000) -> np.ndarray | None:

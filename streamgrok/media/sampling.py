@@ -1,8 +1,8 @@
 """Frame sampling at a target rate and a cheap pixel-difference pre-filter.
 
 The pre-filter follows vllm-omni: compare a 64x64 grayscale thumbnail with that of the last
-kept frame and skip frames that barely changed. A scene cut (a large change of the colour
-histogram) is always kept and marked.
+kept frame and skip frames that barely changed. A scene cut is always kept and marked
+(`SceneCutDetector`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,47 @@ class RateSampler:
         return True
 
 
+@dataclass(frozen=True)
+class Thumbnail:
+    gray: np.ndarray  # 16x16, float32
+    hue_saturation: np.ndarray  # normalised 12x4 histogram
+
+
+class SceneCutDetector:
+    """A cut is a change of the picture's layout, not of its lighting: the correlation of
+    brightness-normalised 16x16 thumbnails drops below `layout`, or below `changed` while
+    the hue/saturation histogram or the mean brightness also changed a lot. Pictures with
+    almost no structure (flat colour) are compared by colour and brightness alone. A moving
+    object, a change of exposure or contrast, or noise is not a cut."""
+
+    def __init__(self, layout: float = 0.35, changed: float = 0.7, colour: float = 0.5,
+                 brightness: float = 30.0, flat_std: float = 4.0) -> None:
+        self.layout, self.changed = layout, changed
+        self.colour, self.brightness, self.flat_std = colour, brightness, flat_std
+
+    @staticmethod
+    def thumbnail(image: np.ndarray) -> Thumbnail:
+        small = cv2.resize(image, (16, 16), interpolation=cv2.INTER_AREA)
+        gray = cv2.cvtColor(small, cv2.COLOR_RGB2GRAY).astype(np.float32)
+        hsv = cv2.cvtColor(small, cv2.COLOR_RGB2HSV)
+        hist = cv2.calcHist([hsv], [0, 1], None, [12, 4], [0, 180, 0, 256]).flatten()
+        return Thumbnail(gray, hist / max(float(hist.sum()), 1.0))
+
+    def is_cut(self, before: Thumbnail, after: Thumbnail) -> bool:
+        colour = 0.5 * float(np.abs(before.hue_saturation - after.hue_saturation).sum())
+        brightness = abs(float(before.gray.mean() - after.gray.mean()))
+        spread_a, spread_b = float(before.gray.std()), float(after.gray.std())
+        if min(spread_a, spread_b) < self.flat_std:
+            return (colour >= self.colour or brightness >= self.brightness * 2 / 3
+                    or abs(spread_a - spread_b) >= 15.0)
+        correlation = float((((before.gray - before.gray.mean()) / spread_a)
+                             * ((after.gray - after.gray.mean()) / spread_b)).mean())
+        if correlation < self.layout:
+            return True
+        return correlation < self.changed and \
+            (colour >= self.colour or brightness >= self.brightness)
+
+
 @dataclass
 class DedupStats:
     seen: int = 0
@@ -43,37 +84,36 @@ class DedupStats:
 
 
 class PixelDedup:
-    """Drop frames whose 64x64 thumbnail differs from the last kept one by less than
+    """Drop frames whose 64x64 colour thumbnail differs from the last kept one by less than
     `threshold` (mean absolute difference, 0-255) overall and by less than `block_threshold`
     in every 8x8 block (so a small object appearing still counts); keep scene cuts always."""
 
-    def __init__(self, threshold: float = 2.0, cut_threshold: float = 0.5, size: int = 64,
-                 block_threshold: float = 20.0):
+    def __init__(self, threshold: float = 2.0, size: int = 64, block_threshold: float = 20.0,
+                 cuts: SceneCutDetector | None = None):
         self.threshold = threshold
         self.block_threshold = block_threshold
-        self.cut_threshold = cut_threshold
+        self.cuts = cuts or SceneCutDetector()
         self.size = size
         self._last_thumb: np.ndarray | None = None
-        self._last_hist: np.ndarray | None = None
+        self._last_layout: Thumbnail | None = None
         self.stats = DedupStats()
 
     def keep(self, frame: VideoFrame) -> bool:
         self.stats.seen += 1
         small = cv2.resize(frame.image, (self.size, self.size), interpolation=cv2.INTER_AREA)
-        thumb = cv2.cvtColor(small, cv2.COLOR_RGB2GRAY).astype(np.float32)
-        hist = cv2.calcHist([small], [0, 1, 2], None, [8, 8, 8], [0, 256] * 3).flatten()
-        hist /= max(hist.sum(), 1.0)
+        thumb = small.astype(np.float32)
+        layout = self.cuts.thumbnail(small)
         if self._last_thumb is None:
             keep = True
         else:
-            delta = np.abs(thumb - self._last_thumb)
+            delta = np.abs(thumb - self._last_thumb).max(axis=2)  # colour counts, not only
+            # brightness: a red ball on grey has about the grey's brightness
             blocks = delta.reshape(self.size // 8, 8, self.size // 8, 8).mean(axis=(1, 3))
-            hist_change = 0.5 * float(np.abs(hist - self._last_hist).sum())  # 0..1
-            frame.scene_cut = hist_change >= self.cut_threshold
+            frame.scene_cut = self.cuts.is_cut(self._last_layout, layout)
             keep = (frame.scene_cut or float(delta.mean()) >= self.threshold
                     or float(blocks.max()) >= self.block_threshold)
         if keep:
-            self._last_thumb, self._last_hist = thumb, hist
+            self._last_thumb, self._last_layout = thumb, layout
             self.stats.kept += 1
             self.stats.cuts += int(frame.scene_cut)
         return keep

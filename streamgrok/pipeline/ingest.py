@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from streamgrok.channel import Channel, ChannelClosed
-from streamgrok.media.audio import PocketSphinxTranscriber, SpeechModel, Transcriber
+from streamgrok.media.audio import SpeechModel
 from streamgrok.media.clip import ClipEncoder
 from streamgrok.media.decode import RealTimePacer, decode_container
 from streamgrok.media.interleave import Interleaver
@@ -34,6 +34,7 @@ from streamgrok.media.items import (
 )
 from streamgrok.media.observers import FrameDetectors, FrameObserver
 from streamgrok.media.projector import Projector
+from streamgrok.media.transcribers import Transcriber, load_transcriber
 from streamgrok.pipeline.degradation import Degradation
 from streamgrok.pipeline.events import PipelineEvent
 from streamgrok.pipeline.ingest_stages import (
@@ -57,6 +58,9 @@ class IngestConfig:
     observers: bool = True
     audio: bool = True
     transcribe: bool = True
+    # 'base' (Whisper base, packaged offline), another Whisper size or a local
+    # faster-whisper folder, or 'pocketsphinx'
+    speech_model: str = "base"
     frame_queue: int = 8
     embedding_dedup: float = 0.95
     freshness_s: float = 1.0  # live: a frame not yet observed/encoded this long is dropped
@@ -116,7 +120,7 @@ class Ingest:
             raise ValueError("CLIP frame tokens need a projector to the language model")
         self.detectors = detectors
         if self.config.audio and transcriber is None and self.config.transcribe:
-            transcriber = PocketSphinxTranscriber()
+            transcriber = load_transcriber(self.config.speech_model)
         self.transcriber = transcriber if self.config.transcribe else None
         self.video_stages = list(video_stages or [])
         self.speech_model = speech_model

@@ -21,8 +21,7 @@ from streamgrok.media.audio import (
     SpeechDetector,
     SpeechModel,
     SpeechSegment,
-    Transcriber,
-    speech_note,
+    speech_notes,
 )
 from streamgrok.media.clip import ClipEncoder, EmbeddingDedup
 from streamgrok.media.items import (
@@ -36,6 +35,7 @@ from streamgrok.media.items import (
 from streamgrok.media.observers import FrameObserver
 from streamgrok.media.projector import Projector
 from streamgrok.media.sampling import PixelDedup, RateSampler
+from streamgrok.media.transcribers import Transcriber, Transcript
 from streamgrok.pipeline.degradation import Degradation
 from streamgrok.pipeline.stage import Edge, Stage
 
@@ -223,8 +223,10 @@ class Transcribe(Stage):
     async def process(self, item: Any) -> list[Any] | None:
         if not isinstance(item, SpeechSegment):
             return None
-        text = ""
+        transcript = Transcript("")
         if self.transcriber is not None:
-            text = await asyncio.to_thread(self.transcriber.transcribe, item.samples, RATE)
-        self.stats.notes += 1
-        return [speech_note(item, text)]
+            transcript = await asyncio.to_thread(self.transcriber.transcribe, item.samples,
+                                                 RATE)
+        notes = speech_notes(item, transcript)
+        self.stats.notes += len(notes)
+        return notes

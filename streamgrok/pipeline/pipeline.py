@@ -27,6 +27,7 @@ from streamgrok.pipeline.events import (
     PipelineEvent,
     QuestionEvent,
 )
+from streamgrok.pipeline.grounding import NoteLog, grounded_prompt
 from streamgrok.pipeline.ingest import Ingest, IngestConfig
 from streamgrok.pipeline.options import DEFAULT_CLIENT_OPTIONS, ClientOption
 from streamgrok.pipeline.resources import SharedResources
@@ -34,8 +35,10 @@ from streamgrok.pipeline.stage import Stage, start_chain
 from streamgrok.pipeline.triggers import At, Trigger
 
 DEFAULT_SYSTEM = (
-    "You are a helpful assistant watching a live video. Notes about what the camera sees and "
-    "hears arrive with timestamps [mm:ss]. Answer briefly, from the notes."
+    "You watch a live video through notes: what the camera showed and what was said, each "
+    "with its time [mm:ss]. Answer briefly and only from the notes. Quote speech exactly. "
+    "Never invent names, people, titles or events; if the notes do not show something, say "
+    "you did not see or hear it."
 )
 
 
@@ -58,6 +61,8 @@ class Pipeline:
     )
     clip: ClipEncoder | None = None
     projector: Projector | None = None
+    # questions carry the notes that bear on them (see `grounding`); False asks them bare
+    grounded: bool = True
     # what a remote client may set in session.start (everything else is server configuration)
     client_options: dict[str, ClientOption] = field(
         default_factory=lambda: dict(DEFAULT_CLIENT_OPTIONS))
@@ -87,6 +92,7 @@ class PipelineRunner:
         self.session: Session | None = None
         self.ingest: Ingest | None = None
         self._answers: list[asyncio.Task] = []
+        self.notes = NoteLog()
 
     async def send(self, event: PipelineEvent) -> None:
         for sink in self.sinks:
@@ -108,7 +114,7 @@ class PipelineRunner:
             if shared is not None and config.audio:
                 speech_model = shared.speech_model()
                 if config.transcribe:
-                    transcriber = shared.transcriber()
+                    transcriber = shared.transcriber(config.speech_model)
             self.ingest = Ingest(config, self.pipeline.clip, self.pipeline.projector,
                                  transcriber, shared.media_pool if shared else None,
                                  self.pipeline.video_stages, speech_model,
@@ -183,6 +189,7 @@ class PipelineRunner:
             self.stats.frame_tokens += item.vectors.shape[0]
         elif isinstance(item, Note):
             self.stats.notes += 1
+            self.notes.add(item)
             await session.append_message(item.stamped(), modality=item.modality,
                                          timestamp=item.pts, source=item.source,
                                          state_key=item.state_key if live else None)
@@ -206,7 +213,11 @@ class PipelineRunner:
 
     def _ask(self, question: str, kind: str, pts: float | None = None,
              query_id: Any = None) -> Answer:
-        answer = self.session.ask(question, self.pipeline.sampling)
+        if self.pipeline.grounded:  # the notes travel with the question, not into the context
+            answer = self.session.ask(grounded_prompt(question, self.notes),
+                                      self.pipeline.sampling, remember=False)
+        else:
+            answer = self.session.ask(question, self.pipeline.sampling)
         when = self.stats.stream_time if pts is None else pts
         self._answers.append(asyncio.create_task(
             self._stream_answer(answer, question, kind, when, query_id)))

@@ -11,8 +11,9 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
-from streamgrok.media.audio import PocketSphinxTranscriber, SpeechModel, Transcriber
+from streamgrok.media.audio import SpeechModel
 from streamgrok.media.native_pool import NativeMediaPool
+from streamgrok.media.transcribers import Transcriber, load_transcriber
 from streamgrok.pipeline.degradation import Degradation
 
 T = TypeVar("T")
@@ -34,9 +35,9 @@ class SharedResources:
                 self._loaded[key] = load()
             return self._loaded[key]
 
-    def transcriber(self) -> Transcriber:
-        """The shared speech transcriber (pocketsphinx; it serialises utterances itself)."""
-        return self.get(("transcriber", "pocketsphinx"), PocketSphinxTranscriber)
+    def transcriber(self, name: str = "base") -> Transcriber:
+        """The shared speech recogniser `name` (see `load_transcriber`; thread-safe)."""
+        return self.get(("transcriber", name), lambda: load_transcriber(name))
 
     def speech_model(self) -> SpeechModel:
         """The shared voice-activity model (thread-safe; each session keeps its own state)."""

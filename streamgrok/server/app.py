@@ -94,7 +94,7 @@ class StreamgrokServer:
         if ingest.audio:  # loaded once, before the first client waits on them
             self.resources.speech_model()
             if ingest.transcribe:
-                self.resources.transcriber()
+                self.resources.transcriber(ingest.speech_model)
         self.cache_config = cache or CacheConfig()
         self.metrics = ServerMetrics(self.drops)
         self.governor = LoadGovernor(self.resources.degradation, config.load_limits)

@@ -1,0 +1,115 @@
+"""Grounded questions: the notes that bear on a question are restated beside it.
+
+A small model answers from what sits next to the question far better than from notes spread
+over thousands of tokens of context. `NoteLog` keeps a session's notes (bounded: the oldest
+go first); `grounded_prompt` picks the notes that share words or a topic with the question
+(what was said, who was seen, text, colours, motion, cuts), always the latest few, and says
+plainly when nothing was seen or heard of what the question asks, so the model has a true
+answer to give instead of an invented one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass
+
+from streamgrok.media.items import Note, format_time
+
+WORD = re.compile(r"[a-z0-9]+")
+STOP = frozenset(
+    "a an the is are was were be been to of in on at and or what who whom which when where "
+    "why how did do does has have had it its this that there any anything someone somebody "
+    "so far you i me my we us our your please tell about from with for as by now yet ever "
+    "see seen saw hear heard can could would should".split())
+
+# topic -> (words in a question that ask about it, tags of the notes that answer it, what to
+# say when no note has it)
+TOPICS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
+    "speech": (frozenset("say said says saying speak spoke spoken talk talked announcement "
+                         "announce announced words voice speech hear heard mention mentioned "
+                         "tell told".split()),
+               frozenset({"transcript", "speech"}), "no speech was heard"),
+    "people": (frozenset("who person people anyone anybody someone man woman men women face "
+                         "faces human humans somebody visitor visitors".split()),
+               frozenset({"person", "face"}), "no person or face was seen"),
+    "cat": (frozenset({"cat", "cats", "kitten", "animal", "animals", "pet"}), frozenset({"cat"}),
+            "no cat was seen"),
+    "text": (frozenset("text written write writing sign signs read reads caption title "
+                       "screen label word words".split()),
+             frozenset({"text"}), "no text was read on screen"),
+    "colour": (frozenset({"colour", "color", "colours", "colors", "coloured", "colored"}),
+               frozenset({"colour", "motion"}), "no colours were noted"),
+    "motion": (frozenset("move moving moved motion direction going travel travelled crossing "
+                         "crossed ball object objects left right".split()),
+               frozenset({"motion"}), "no moving object was seen"),
+    "change": (frozenset("cut cuts scene scenes change changed changes switch switched happen "
+                         "happened events".split()),
+               frozenset({"cut"}), "no scene change was seen"),
+}
+RECENT = 3  # the latest notes always go in: "what is happening now"
+
+
+@dataclass(frozen=True)
+class LoggedNote:
+    text: str
+    pts: float
+    tags: frozenset[str]
+
+    def line(self) -> str:
+        return f"[{format_time(self.pts)}] {self.text}"
+
+
+class NoteLog:
+    """A session's notes in stream order; the oldest leave past `capacity`."""
+
+    def __init__(self, capacity: int = 2000) -> None:
+        self.notes: deque[LoggedNote] = deque(maxlen=capacity)
+
+    def add(self, note: Note) -> None:
+        self.notes.append(LoggedNote(note.text, note.pts, frozenset(note.tags)))
+
+
+def words(text: str) -> set[str]:
+    return {w for w in WORD.findall(text.lower()) if w not in STOP}
+
+
+def topics_of(question: str) -> list[str]:
+    asked = set(WORD.findall(question.lower()))
+    return [name for name, (cues, _, _) in TOPICS.items() if asked & cues]
+
+
+def relevant_notes(question: str, log: NoteLog, limit: int = 12) -> list[LoggedNote]:
+    """The notes that bear on `question`, in stream order: by topic and shared words, plus
+    the latest few."""
+    asked, topics = words(question), topics_of(question)
+    wanted_tags = set().union(*(TOPICS[t][1] for t in topics)) if topics else set()
+    notes = list(log.notes)
+    scored = []
+    for index, note in enumerate(notes):
+        score = 2.0 * bool(note.tags & wanted_tags) + len(asked & words(note.text))
+        if score > 0:
+            scored.append((score, index))
+    scored.sort(key=lambda pair: (-pair[0], -pair[1]))
+    chosen = {index for _, index in scored[:limit]}
+    if not topics or "change" in topics:  # "what happened?": the whole recent story
+        chosen |= set(range(max(0, len(notes) - limit), len(notes)))
+    chosen |= set(range(max(0, len(notes) - RECENT), len(notes)))
+    return [notes[i] for i in sorted(chosen)][-limit * 2:]
+
+
+def grounded_prompt(question: str, log: NoteLog) -> str:
+    """The question with the notes it should be answered from, and what was not observed."""
+    notes = relevant_notes(question, log)
+    missing = [TOPICS[t][2] for t in topics_of(question)
+               if not any(n.tags & TOPICS[t][1] for n in log.notes)]
+    lines = ["Notes from the stream (time [mm:ss], what was seen or heard):"]
+    lines += [note.line() for note in notes] or ["(nothing observed yet)"]
+    if missing:
+        lines.append("Not observed: " + "; ".join(missing) + ".")
+    lines.append("")
+    lines.append(f"Question: {question}")
+    lines.append("Answer in one or two sentences, only from the notes above. Quote what was "
+                 "said. Give the time of what you name. If the notes do not show it, say you "
+                 "did not see or hear it.")
+    return "\n".join(lines)
