@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds after the row an open question may still be answered")
     live.add_argument("--url", default=None, help="a running server's /ws (else one is started)")
     _add_served_options(live)
+    grounding = benches.add_parser(
+        "grounding", help="questions with known answers on generated clips, by category")
+    grounding.add_argument("--pipeline", default="pipelines/live_qa.py")
+    grounding.add_argument("--clips", default=None, help="comma-separated clip names")
+    grounding.add_argument("--out", default="bench-results", help="folder for the plot")
+    _add_model_options(grounding)
     media = benches.add_parser("media", help="decode, CLIP, dedup and ingest rates")
     media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
     media.add_argument("--fps", type=float, default=2.0)
@@ -266,6 +272,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         configure_threads(args.threads)
         run_media_bench(args.clip_weights, args.fps)
+        return 0
+    if args.bench == "grounding":
+        from streamgrok.bench.grounding import run_grounding_bench
+
+        run_grounding_bench(_load(args), args.pipeline, out=args.out, only=args.clips)
         return 0
     if args.bench == "live":
         from streamgrok.bench.live import run_live_bench

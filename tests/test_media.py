@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from streamgrok.channel import Channel
+from streamgrok.media.colours import dominant_colours
 from streamgrok.media.decode import ByteFeed, decode_container, decode_image, pcm16_chunk
 from streamgrok.media.interleave import Interleaver
 from streamgrok.media.items import AudioChunk, MediaError, Note, VideoFrame
-from streamgrok.media.observers import FrameObserver, dominant_colours
+from streamgrok.media.native_worker import Detections
+from streamgrok.media.observers import FrameObserver
 from streamgrok.media.projector import Projector
 from streamgrok.media.samples import Scene, photo, write_clip
 from streamgrok.media.sampling import PixelDedup, RateSampler
@@ -105,7 +107,7 @@ def test_pixel_dedup_drops_static_frames_and_keeps_cuts():
 def test_observer_finds_the_astronauts_face():
     observer = FrameObserver()
     note = observer.observe(VideoFrame(photo("astronaut", 512, 512), 12.0, 0))
-    assert note is not None and "1 face" in note.text and "face" in note.tags
+    assert note is not None and "1 face appeared" in note.text and "face" in note.tags
     assert note.stamped().startswith("[00:12]")
     assert observer.observe(VideoFrame(photo("astronaut", 512, 512), 13.0, 1)) is None
     assert dominant_colours(np.full((8, 8, 3), (40, 80, 200), np.uint8), 1) == ["blue"]
@@ -261,9 +263,9 @@ class CountingDetectors:
     def __init__(self) -> None:
         self.calls = 0
 
-    def detect(self, image, faces, people):
+    def detect(self, image, faces, people, cats=False):
         self.calls += 1
-        return 1, 0
+        return Detections(faces=1)
 
 
 def test_observer_reuses_the_last_counts_between_detections():
@@ -273,7 +275,8 @@ def test_observer_reuses_the_last_counts_between_detections():
     notes = [observer.observe(VideoFrame(still, float(t), t)) for t in range(12)]
     assert detectors.calls == 2  # t=0 and the 10 s refresh
     assert observer.stats.frames == 12 and observer.stats.skipped == 10
-    assert "1 face" in notes[0].text and notes[0].state_key == "observer"
+    assert "1 face appeared (1 in view)" in notes[0].text and notes[0].state_key is None
+    assert all(note is None for note in notes[1:])  # nothing changed: no more notes
 
 
 async def test_a_live_frame_past_its_freshness_bound_is_dropped_before_any_work():

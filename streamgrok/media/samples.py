@@ -28,12 +28,23 @@ FORMATS = {  # suffix -> (video codec, audio codec)
 
 @dataclass
 class Scene:
-    """`seconds` of one photo (or a blank background), optionally with a moving square."""
+    """`seconds` of one photo (or a plain background). Optional events: a square of
+    `mover_colour` crossing in `mover_direction`, a spoken sentence starting at
+    `speech_at`, a caption in large letters, and a person (the astronaut's head and
+    shoulders) in view from `person_from` to `person_until` seconds into the scene."""
 
     photo: str | None
     seconds: float
     moving_square: bool = False
     speech: str | None = None
+    speech_at: float = 0.3
+    mover_colour: tuple[int, int, int] = (220, 40, 40)
+    mover_direction: str = "left to right"
+    caption: str | None = None
+    person_from: float | None = None
+    person_until: float | None = None
+    voice: str = "en"
+    speed: int = 150
 
 
 DEMO_SCENES = [
@@ -64,15 +75,17 @@ def photo(name: str | None, width: int, height: int) -> np.ndarray:
     return canvas
 
 
-def speak(text: str, rate: int = 16_000) -> np.ndarray | None:
-    """Mono float32 speech from espeak-ng, or None when espeak-ng is not installed."""
+def speak(text: str, rate: int = 16_000, voice: str = "en",
+          speed: int = 150) -> np.ndarray | None:
+    """Mono float32 speech from espeak-ng (`voice` as espeak-ng names them, e.g. en-us,
+    en+f3; `speed` in words a minute), or None when espeak-ng is not installed."""
     binary = shutil.which("espeak-ng")
     if binary is None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "speech.wav"
-        subprocess.run([binary, "-s", "150", "-w", str(path), text], check=True,
-                       capture_output=True)
+        subprocess.run([binary, "-v", voice, "-s", str(speed), "-w", str(path), text],
+                       check=True, capture_output=True)
         with wave.open(str(path)) as wav:
             pcm = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2")
             source_rate = wav.getframerate()
@@ -85,11 +98,11 @@ def scene_audio(scene: Scene, rate: int) -> np.ndarray:
     total = int(scene.seconds * rate)
     audio = np.zeros(total, dtype=np.float32)
     if scene.speech:
-        voice = speak(scene.speech, rate)
+        voice = speak(scene.speech, rate, scene.voice, scene.speed)
         if voice is None:  # a 440 Hz tone stands in for speech
             t = np.arange(int(1.5 * rate)) / rate
             voice = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
-        start = int(0.3 * rate)
+        start = int(scene.speech_at * rate)
         voice = voice[: total - start]
         audio[start : start + len(voice)] = voice
     return audio
@@ -121,11 +134,10 @@ def write_clip(
         audio = []
         for scene in scenes:
             base = photo(scene.photo, width, height)
+            if scene.caption:
+                draw_caption(base, scene.caption)
             for i in range(int(scene.seconds * fps)):
-                frame = base.copy()
-                if scene.moving_square:
-                    x = int((width - 40) * i / max(1, scene.seconds * fps - 1))
-                    frame[100:140, x : x + 40] = (220, 40, 40)
+                frame = draw_events(base.copy(), scene, i, fps)
                 video_frame = av.VideoFrame.from_ndarray(frame, format="rgb24")
                 video_frame.pts = index
                 video_frame.time_base = Fraction(1, fps)
@@ -139,6 +151,52 @@ def write_clip(
         if astream is not None:
             _encode_audio(container, astream, np.concatenate(audio), audio_rate)
     return path
+
+
+def draw_events(frame: np.ndarray, scene: Scene, i: int, fps: int) -> np.ndarray:
+    """Frame `i` of the scene with its moving square and person drawn in."""
+    height, width = frame.shape[:2]
+    t = i / fps
+    if scene.person_from is not None and \
+            scene.person_from <= t < (scene.person_until or scene.seconds):
+        person = _person(height * 2 // 3)
+        ph, pw = person.shape[:2]
+        left = width - pw - width // 16
+        frame[height - ph :, left : left + pw] = person
+    if scene.moving_square:
+        side = max(16, height // 6)
+        progress = i / max(1, scene.seconds * fps - 1)
+        x = int((width - side) * progress)
+        y = height // 2 - side // 2
+        if scene.mover_direction == "right to left":
+            x = width - side - x
+        elif scene.mover_direction in ("downwards", "upwards"):
+            x, y = width // 2 - side // 2, int((height - side) * progress)
+            if scene.mover_direction == "upwards":
+                y = height - side - y
+        frame[y : y + side, x : x + side] = scene.mover_colour
+    return frame
+
+
+def _person(height: int) -> np.ndarray:
+    """The astronaut's head and shoulders from scikit-image, `height` pixels tall."""
+    import skimage.data
+
+    crop = skimage.data.astronaut()[0:300, 90:330]
+    width = round(crop.shape[1] * height / crop.shape[0])
+    return cv2.resize(crop, (width, height), interpolation=cv2.INTER_AREA)
+
+
+def draw_caption(frame: np.ndarray, text: str) -> None:
+    """Large white letters on a dark band across the top of the frame."""
+    height, width = frame.shape[:2]
+    scale = width / 320 * 0.9
+    (w, h), _ = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, 2)
+    scale *= min(1.0, (width - 20) / w)
+    (w, h), _ = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, 2)
+    frame[: h + 24] = (30, 30, 30)
+    cv2.putText(frame, text, ((width - w) // 2, h + 12), cv2.FONT_HERSHEY_SIMPLEX, scale,
+                (255, 255, 255), 2, cv2.LINE_AA)
 
 
 def _encode_audio(container, stream, samples: np.ndarray, rate: int) -> None:

@@ -34,19 +34,25 @@ class RateSampler:
 @dataclass(frozen=True)
 class Thumbnail:
     gray: np.ndarray  # 16x16, float32
+    colour: np.ndarray  # 16x16x3, float32
     hue_saturation: np.ndarray  # normalised 12x4 histogram
+    texture: np.ndarray  # normalised gradient-orientation histogram (8 bins) of 64x64
+    energy: float  # mean gradient magnitude of 64x64
 
 
 class SceneCutDetector:
     """A cut is a change of the picture's layout, not of its lighting: the correlation of
     brightness-normalised 16x16 thumbnails drops below `layout`, or below `changed` while
-    the hue/saturation histogram or the mean brightness also changed a lot. Pictures with
-    almost no structure (flat colour) are compared by colour and brightness alone. A moving
-    object, a change of exposure or contrast, or noise is not a cut."""
+    the hue/saturation histogram or the mean brightness also changed a lot; and in any case
+    at least `area` of the picture changed colour clearly. Pictures with almost no structure
+    (flat colour) are compared by colour and brightness alone. An object moving or entering
+    over a still background, a change of exposure or contrast, or noise is not a cut."""
 
     def __init__(self, layout: float = 0.35, changed: float = 0.7, colour: float = 0.5,
-                 brightness: float = 30.0, flat_std: float = 4.0) -> None:
-        self.layout, self.changed = layout, changed
+                 brightness: float = 30.0, flat_std: float = 4.0, area: float = 0.4,
+                 cell: float = 20.0) -> None:
+        self.cell = cell
+        self.layout, self.changed, self.area = layout, changed, area
         self.colour, self.brightness, self.flat_std = colour, brightness, flat_std
 
     @staticmethod
@@ -55,9 +61,27 @@ class SceneCutDetector:
         gray = cv2.cvtColor(small, cv2.COLOR_RGB2GRAY).astype(np.float32)
         hsv = cv2.cvtColor(small, cv2.COLOR_RGB2HSV)
         hist = cv2.calcHist([hsv], [0, 1], None, [12, 4], [0, 180, 0, 256]).flatten()
-        return Thumbnail(gray, hist / max(float(hist.sum()), 1.0))
+        fine = cv2.cvtColor(cv2.resize(image, (64, 64), interpolation=cv2.INTER_AREA),
+                            cv2.COLOR_RGB2GRAY).astype(np.float32)
+        magnitude, angle = cv2.cartToPolar(cv2.Sobel(fine, cv2.CV_32F, 1, 0),
+                                           cv2.Sobel(fine, cv2.CV_32F, 0, 1))
+        bins = (angle % np.pi / np.pi * 8).astype(int).clip(0, 7)  # orientation, not sign
+        texture = np.bincount(bins.ravel(), magnitude.ravel(), minlength=8)
+        return Thumbnail(gray, small.astype(np.float32), hist / max(float(hist.sum()), 1.0),
+                         texture / max(float(texture.sum()), 1e-6), float(magnitude.mean()))
 
     def is_cut(self, before: Thumbnail, after: Thumbnail) -> bool:
+        changed = float((np.abs(before.colour - after.colour).max(axis=2) > self.cell).mean())
+        if changed >= self.area and self._looks_different(before, after):
+            return True
+        # two textures of the same colour (brick, grass) differ in their edges alone
+        low, high = sorted((before.energy, after.energy))
+        orientation = 0.5 * float(np.abs(before.texture - after.texture).sum())
+        return high > 8.0 and (orientation >= 0.15 or high >= 1.6 * low) and \
+            float(before.gray.std()) < self.flat_std * 4 and \
+            float(after.gray.std()) < self.flat_std * 4
+
+    def _looks_different(self, before: Thumbnail, after: Thumbnail) -> bool:
         colour = 0.5 * float(np.abs(before.hue_saturation - after.hue_saturation).sum())
         brightness = abs(float(before.gray.mean() - after.gray.mean()))
         spread_a, spread_b = float(before.gray.std()), float(after.gray.std())

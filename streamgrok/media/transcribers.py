@@ -60,11 +60,11 @@ class Transcriber(Protocol):
 
 
 class WhisperTranscriber:
-    """Whisper through faster-whisper (CTranslate2, int8 on CPU), greedy decoding, word
+    """Whisper through faster-whisper (CTranslate2, int8 on CPU), beam search of 5, word
     timestamps; its own no-speech and log-probability checks drop non-speech."""
 
     def __init__(self, model: str = "base", threads: int = 1, device: str = "cpu",
-                 compute_type: str = "int8", beam_size: int = 1,
+                 compute_type: str = "int8", beam_size: int = 5,
                  language: str | None = "en") -> None:
         from faster_whisper import WhisperModel
 

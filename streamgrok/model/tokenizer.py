@@ -59,6 +59,7 @@ class Tokenizer:
     chat_template: str | None = None
     add_bos: bool = False
     _template_cache: Any = field(default=None, repr=False)
+    _line_breaks: frozenset[int] | None = field(default=None, repr=False)
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
@@ -152,6 +153,15 @@ class Tokenizer:
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
+
+    def line_break_ids(self) -> frozenset[int]:
+        """Ids of the tokens whose text holds a line break (stop tokens of one-line
+        answers); found once by decoding the vocabulary."""
+        if self._line_breaks is None:
+            texts = self.hf.decode_batch([[i] for i in range(self.vocab_size)],
+                                         skip_special_tokens=True)
+            self._line_breaks = frozenset(i for i, t in enumerate(texts) if "\n" in t)
+        return self._line_breaks
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """Text of token ids (special tokens left out unless asked for)."""

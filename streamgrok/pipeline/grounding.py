@@ -48,6 +48,8 @@ TOPICS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
                frozenset({"cut"}), "no scene change was seen"),
 }
 RECENT = 3  # the latest notes always go in: "what is happening now"
+IN_VIEW = re.compile(r"\d+ (person|people|face|faces|cat face|cat faces) (?:appeared|left) "
+                     r"\((\d+|none) in view\)")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class LoggedNote:
     tags: frozenset[str]
 
     def line(self) -> str:
-        return f"[{format_time(self.pts)}] {self.text}"
+        return f"- at {format_time(self.pts)}: {self.text}"
 
 
 class NoteLog:
@@ -103,13 +105,29 @@ def grounded_prompt(question: str, log: NoteLog) -> str:
     notes = relevant_notes(question, log)
     missing = [TOPICS[t][2] for t in topics_of(question)
                if not any(n.tags & TOPICS[t][1] for n in log.notes)]
-    lines = ["Notes from the stream (time [mm:ss], what was seen or heard):"]
-    lines += [note.line() for note in notes] or ["(nothing observed yet)"]
+    lines = ["What the stream showed and said so far:"]
+    lines += [note.line() for note in notes] or ["- nothing yet"]
     if missing:
-        lines.append("Not observed: " + "; ".join(missing) + ".")
+        lines.append("- never: " + "; ".join(missing))
+    if "how many" in question.lower():
+        lines.append("- in all: " + counts(log))
     lines.append("")
-    lines.append(f"Question: {question}")
-    lines.append("Answer in one or two sentences, only from the notes above. Quote what was "
-                 "said. Give the time of what you name. If the notes do not show it, say you "
-                 "did not see or hear it.")
+    lines.append(f"Using only these notes, answer in one short sentence: {question}")
     return "\n".join(lines)
+
+
+def counts(log: NoteLog) -> str:
+    """What the log adds up to: cuts, moving objects, sentences, the most in view at once."""
+    most: dict[str, int] = {}
+    for note in log.notes:
+        for kind, now in IN_VIEW.findall(note.text):
+            kind = {"person": "people", "face": "faces", "cat face": "cat faces"}.get(kind, kind)
+            most[kind] = max(most.get(kind, 0), 0 if now == "none" else int(now))
+    cuts = sum("cut" in note.tags for note in log.notes)
+    movers = sum(note.text.count("object appeared") for note in log.notes)
+    said = sum("transcript" in note.tags for note in log.notes)
+    parts = [f"{cuts} scene cut{'s' if cuts != 1 else ''}",
+             f"{movers} moving object{'s' if movers != 1 else ''} appeared",
+             f"{said} sentence{'s' if said != 1 else ''} said"]
+    parts += [f"at most {n} {kind} in view at once" for kind, n in sorted(most.items())]
+    return "; ".join(parts)

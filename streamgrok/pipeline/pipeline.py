@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from streamgrok.engine import Engine
@@ -214,8 +214,11 @@ class PipelineRunner:
     def _ask(self, question: str, kind: str, pts: float | None = None,
              query_id: Any = None) -> Answer:
         if self.pipeline.grounded:  # the notes travel with the question, not into the context
-            answer = self.session.ask(grounded_prompt(question, self.notes),
-                                      self.pipeline.sampling, remember=False)
+            sampling = self.pipeline.sampling
+            one_line = replace(sampling, stop_token_ids=sampling.stop_token_ids
+                               | self.engine.tokenizer.line_break_ids())
+            answer = self.session.ask(grounded_prompt(question, self.notes), one_line,
+                                      remember=False)
         else:
             answer = self.session.ask(question, self.pipeline.sampling)
         when = self.stats.stream_time if pts is None else pts

@@ -1,0 +1,190 @@
+"""What the assistant is fed is true: Whisper transcripts, event observers, grounded prompts."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+
+import numpy as np
+import pytest
+
+from streamgrok.media.items import AudioChunk, Note, VideoFrame
+from streamgrok.media.native_worker import Detections
+from streamgrok.media.observers import FrameObserver
+from streamgrok.media.samples import Scene, draw_caption, draw_events, photo, speak
+from streamgrok.media.sampling import SceneCutDetector
+from streamgrok.media.tracking import MotionTracker
+from streamgrok.media.transcribers import Transcript, Word
+from streamgrok.pipeline.grounding import NoteLog, grounded_prompt, relevant_notes
+
+needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None,
+                                  reason="espeak-ng is not installed (make test installs it)")
+needs_tesseract = pytest.mark.skipif(shutil.which("tesseract") is None,
+                                     reason="tesseract is not installed (make test installs it)")
+PHOTOS = ["astronaut", "coffee", "chelsea", "camera", "rocket", "hubble_deep_field",
+          "immunohistochemistry", "retina", "page", "text", "coins", "colorwheel", "cell", None]
+
+
+@pytest.fixture(scope="module")
+def whisper():
+    from streamgrok.media.transcribers import WhisperTranscriber
+
+    return WhisperTranscriber("base")
+
+
+def test_the_packaged_whisper_model_assembles_once_and_is_verified(tmp_path):
+    from streamgrok.media.whisper_files import MODEL_SIZE, VERIFIED, packaged_whisper_base
+
+    folder = packaged_whisper_base(tmp_path)
+    assert (folder / "model.bin").stat().st_size == MODEL_SIZE and (folder / VERIFIED).exists()
+    stamp = (folder / "model.bin").stat().st_mtime_ns
+    assert packaged_whisper_base(tmp_path) == folder  # the second call reuses it
+    assert (folder / "model.bin").stat().st_mtime_ns == stamp
+    (folder / "model.bin").write_bytes(b"truncated")  # a damaged cache is rebuilt
+    assert (packaged_whisper_base(tmp_path) / "model.bin").stat().st_size == MODEL_SIZE
+
+
+def test_an_unknown_speech_model_is_a_clear_error():
+    from streamgrok.media.transcribers import SpeechModelUnavailable, load_transcriber
+
+    with pytest.raises(SpeechModelUnavailable, match="unknown speech model 'nonsense'"):
+        load_transcriber("nonsense")
+
+
+@needs_espeak
+def test_whisper_hears_the_announcement(whisper):
+    transcript = whisper.transcribe(
+        speak("Attention please. The delivery truck arrives at gate seven."), 16_000)
+    text = transcript.text.lower()
+    assert "delivery truck" in text and "gate" in text and ("7" in text or "seven" in text)
+    assert [w.start for w in transcript.words] == sorted(w.start for w in transcript.words)
+    assert len(transcript.sentences()) == 2
+
+
+def test_sentences_start_at_their_first_word():
+    transcript = Transcript("Hello there. How are you?", (
+        Word(" Hello", 0.0, 0.4), Word(" there.", 0.4, 0.8), Word(" How", 1.5, 1.7),
+        Word(" are", 1.7, 1.8), Word(" you?", 1.8, 2.1)))
+    assert transcript.sentences() == [(0.0, "Hello there."), (1.5, "How are you?")]
+
+
+@needs_espeak
+def test_long_speech_is_cut_into_partial_segments_at_a_quiet_point():
+    from streamgrok.media.audio import RATE, SpeechDetector
+
+    text = ("The weather today is sunny with a light breeze from the west and temperatures "
+            "rising slowly through the afternoon until the evening when clouds arrive")
+    audio = np.concatenate([speak(text, speed=190), np.zeros(RATE, np.float32)])
+    detector = SpeechDetector(max_segment_s=4.0)
+    segments = []
+    for start in range(0, len(audio), RATE // 2):
+        chunk = audio[start : start + RATE // 2]
+        segments += detector.feed(AudioChunk(chunk, start / RATE, RATE))
+    segments += detector.flush()
+    assert len(segments) >= 2 and segments[0].continues and not segments[-1].continues
+    for before, after in itertools.pairwise(segments):
+        assert before.end == pytest.approx(after.start)  # nothing lost between the parts
+
+
+@pytest.mark.parametrize("before,after", list(itertools.permutations(PHOTOS, 2)))
+def test_a_hard_cut_between_unrelated_pictures_fires(before, after):
+    cuts = SceneCutDetector()
+    assert cuts.is_cut(cuts.thumbnail(photo(before, 320, 240)),
+                       cuts.thumbnail(photo(after, 320, 240)))
+
+
+@pytest.mark.parametrize("name", PHOTOS)
+def test_motion_lighting_and_captions_are_not_cuts(name):
+    cuts = SceneCutDetector()
+    still = photo(name, 320, 240)
+    changed = [np.clip(still.astype(int) + 30, 0, 255).astype(np.uint8),
+               np.clip((still.astype(float) - 128) * 1.3 + 128, 0, 255).astype(np.uint8)]
+    mover = Scene(None, 4.0, moving_square=True, mover_colour=(230, 210, 40))
+    changed += [draw_events(still.copy(), mover, i, 10) for i in (0, 20, 39)]
+    changed.append(draw_events(still.copy(), Scene(None, 4.0, person_from=0.0), 0, 10))
+    captioned = still.copy()
+    draw_caption(captioned, "OPEN 24 HOURS")
+    changed.append(captioned)
+    for other in changed:
+        if name is None and other is changed[0]:
+            continue  # a flat picture brightened is another flat picture: nothing to compare
+        assert not cuts.is_cut(cuts.thumbnail(still), cuts.thumbnail(other))
+
+
+@pytest.mark.parametrize("direction", ["left to right", "right to left", "downwards"])
+def test_a_moving_object_is_reported_with_its_colour_and_direction(direction):
+    tracker = MotionTracker()
+    scene = Scene(None, 6.0, moving_square=True, mover_colour=(40, 80, 200),
+                  mover_direction=direction)
+    background = photo(None, 320, 240)
+    events = []
+    for i in range(0, 60, 10):  # one frame a second
+        events += tracker.events(draw_events(background.copy(), scene, i, 10), cut=i == 0)
+    assert any("blue object appeared" in e for e in events)
+    assert f"the blue object is moving {direction}" in events
+    assert all("ghost" not in e and "grey" not in e for e in events)
+
+
+class ScriptedDetectors:
+    """Counts that follow a script, one entry per detection."""
+
+    def __init__(self, script: list[Detections]) -> None:
+        self.script = list(script)
+
+    def detect(self, image, faces, people, cats=False):
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+
+def test_people_are_events_with_counts_and_nothing_repeats():
+    detectors = ScriptedDetectors([Detections(), Detections(people=1), Detections(people=2),
+                                   Detections()])
+    observer = FrameObserver(detectors, text=False)
+    still = photo("coffee", 320, 240)
+    notes = [observer.observe(VideoFrame(still, float(t), t)) for t in range(0, 40, 10)]
+    texts = [n.text if n else None for n in notes]
+    assert texts[1] == "1 person appeared (1 in view)"
+    assert texts[2] == "1 person appeared (2 in view)"
+    assert texts[3] == "2 people left (none in view)"
+
+
+@needs_tesseract
+def test_text_on_screen_is_read_once_and_its_end_is_reported():
+    observer = FrameObserver(ScriptedDetectors([Detections()]))
+    plain = photo(None, 320, 240)
+    sign = plain.copy()
+    draw_caption(sign, "OPEN 24 HOURS")
+    frames = [plain, sign, sign, plain]
+    notes = []
+    for t, image in enumerate(frames):
+        frame = VideoFrame(image, t * 5.0, t)
+        frame.scene_cut = t > 0 and not np.array_equal(image, frames[t - 1])
+        notes.append(observer.observe(frame))
+    assert notes[1] is not None and 'text on screen: "OPEN 24 HOURS"' in notes[1].text
+    assert notes[2] is None
+    assert "the text on screen is gone" in notes[3].text
+
+
+def log_of(*notes: tuple[float, str, set[str]]) -> NoteLog:
+    log = NoteLog()
+    for pts, text, tags in notes:
+        log.add(Note(text, pts, tags=tags))
+    return log
+
+
+def test_a_speech_question_gets_the_transcript_and_an_absent_topic_is_said_plainly():
+    log = log_of((0.0, "first view; colours dark grey", {"colour"}),
+                 (2.0, 'said: "The delivery truck arrives at gate 7."', {"speech", "transcript"}),
+                 *[(3.0 + i, f"colours blue, red {i}", {"colour"}) for i in range(30)])
+    chosen = relevant_notes("What did the announcement say?", log)
+    assert any("delivery truck" in n.text for n in chosen)
+    prompt = grounded_prompt("Was there a person on screen?", log)
+    assert "never: no person or face was seen" in prompt
+    assert prompt.rstrip().endswith("Was there a person on screen?")
+
+
+def test_counting_questions_get_the_totals():
+    log = log_of((4.0, "scene cut: a different scene", {"cut"}),
+                 (6.0, "1 face appeared (1 in view)", {"face"}),
+                 (8.0, "scene cut: a different scene; 1 face left (none in view)", {"cut"}))
+    prompt = grounded_prompt("How many scene cuts were there?", log)
+    assert "2 scene cuts" in prompt and "at most 1 faces in view" in prompt
