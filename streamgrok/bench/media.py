@@ -1,5 +1,6 @@
 """`streamgrok bench media`: decode rate, CLIP rate, dedup ratios, per-frame observer cost
-(each detector, and every frame vs the adaptive schedule), end-to-end ingest rate.
+(each detector, and every frame vs the adaptive schedule), speech recognisers' word error
+rate and real-time factor (Whisper base vs pocketsphinx), end-to-end ingest rate.
 
 CLIP speed does not depend on the weights, so without configured weights this benchmark uses
 random ones and says so.
@@ -15,6 +16,7 @@ from pathlib import Path
 import cv2
 import torch
 
+from streamgrok.bench.speech import speech_bench
 from streamgrok.media.clip import ClipEncoder, ClipWeightsMissing
 from streamgrok.media.decode import decode_container
 from streamgrok.media.items import VideoFrame
@@ -75,6 +77,7 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0) -> dict:
             print(f"CLIP       {label} batch {batch:>2}: {rate:6.1f} frames/s")
 
         results.update(observer_costs(images, busy))
+        results.update(speech_bench())
 
         projector = Projector(encoder.dim, 576, tokens=1)
         for with_clip in (False, True):

@@ -1,5 +1,7 @@
 """Speech recognisers: Whisper through faster-whisper (the default, offline with the packaged
-base model) and pocketsphinx (cheaper, much less accurate). Input is 16 kHz mono float."""
+base model) and pocketsphinx, kept only as the measured baseline (`bench media`: WER 88%
+against Whisper base's 18% on espeak-ng sentences, at about 2/3 of Whisper's CPU time).
+Input is 16 kHz mono float."""
 
 from __future__ import annotations
 
@@ -110,8 +112,8 @@ class WhisperTranscriber:
 
 
 class PocketSphinxTranscriber:
-    """pocketsphinx's bundled en-us model: about 20x cheaper than Whisper base, and far less
-    accurate on free-form speech (see `bench media`); no word times."""
+    """pocketsphinx's bundled en-us model: the old recogniser, kept as the benchmarks'
+    baseline; far less accurate than Whisper on free-form speech and no word times."""
 
     name = "pocketsphinx"
 
