@@ -59,8 +59,8 @@ class Pipeline:
     )
     clip: ClipEncoder | None = None
     projector: Projector | None = None
-    # questions carry the notes that bear on them (see `grounding`); False asks them bare
-    grounded: bool = True
+    # questions carry the notes that bear on them (see `grounding`); bench grounding turns it on
+    grounded: bool = False  # on by default once prompts fit small KV budgets (#15)
     # what a remote client may set in session.start (everything else is server configuration)
     client_options: dict[str, ClientOption] = field(
         default_factory=lambda: dict(DEFAULT_CLIENT_OPTIONS))
