@@ -10,10 +10,9 @@ from importlib import resources
 import numpy as np
 
 from streamgrok.media.items import AudioChunk, Note
-from streamgrok.media.transcribers import Transcriber, Transcript
+from streamgrok.media.transcribers import RATE, Transcriber, Transcript
 from streamgrok.stream_tokens import Modality
 
-RATE = 16_000
 WINDOW = 512  # samples per silero-vad step at 16 kHz
 CONTEXT = 64  # samples of the previous window each step also sees
 

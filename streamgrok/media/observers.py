@@ -61,15 +61,16 @@ class ObserverStats:
     frames: int = 0
     detections: int = 0
     detect_seconds: float = 0.0
-    other_seconds: float = 0.0  # motion, colours, resizing
+    other_seconds: float = 0.0  # motion, tracking, colours, text reading, resizing
 
     @property
     def skipped(self) -> int:
         return self.frames - self.detections
 
 
-COUNTED = (("people", "person", "people"), ("faces", "face", "faces"),
-           ("cats", "cat face", "cat faces"))
+# Detections field, one, many, the tag of a note that sees one
+COUNTED = (("people", "person", "people", "person"), ("faces", "face", "faces", "face"),
+           ("cats", "cat face", "cat faces", "cat"))
 
 
 class FrameObserver:
@@ -83,8 +84,9 @@ class FrameObserver:
         self.detectors = detectors or Detectors()
         self.find = {"faces": faces, "people": people, "cats": cats}
         self.colours = colours
-        self.reader = TextReader() if (TextReader.available() if text is None else text) \
-            else None
+        if text is None:
+            text = TextReader.available()
+        self.reader = TextReader() if text else None
         self.width = analysis_width
         self.schedule = schedule or DetectionSchedule()
         self.text_schedule = text_schedule or DetectionSchedule(3.0, 15.0, motion=0.02)
@@ -106,21 +108,22 @@ class FrameObserver:
         first = self._previous_gray is None
         motion = self.motion(gray)
         cut = frame.scene_cut and not first
+        new_scene = cut or first
         self.stats.frames += 1
         events, tags = [], set()
         if cut:
             events.append("scene cut: a different scene")
             tags.add("cut")
-        detect_s = self._detect(image, frame.pts, motion, cut or first, events, tags)
+        detect_s = self._detect(image, frame.pts, motion, new_scene, events, tags)
         if self.colours:
-            self._colour_events(image, cut or first, events, tags)
-        moved = self.tracker.events(image, cut or first)
+            self._colour_events(image, new_scene, events, tags)
+        moved = self.tracker.events(image, new_scene)
         if moved:
             events += moved
             tags.add("motion")
+        self.text_schedule.stretch = self.schedule.stretch
         if self.reader is not None and \
                 self.text_schedule.due(frame.pts, self._last_text_read, motion, cut):
-            self.text_schedule.stretch = self.schedule.stretch
             self._last_text_read = frame.pts
             self._text_events(image, events, tags)
         self.stats.other_seconds += time.perf_counter() - started - detect_s
@@ -142,24 +145,25 @@ class FrameObserver:
         self._last_detection = pts
         self.stats.detections += 1
         self.stats.detect_seconds += seconds
-        for field_name, one, many in COUNTED:
+        for field_name, one, many, tag in COUNTED:
             before, now = getattr(self._counts, field_name), getattr(counts, field_name)
             if now != before:
                 events.append(count_change(now - before, now, one, many))
             if now:
-                tags.add(one.split()[0] if field_name != "cats" else "cat")
+                tags.add(tag)
         self._counts = counts
         return seconds
 
     def _colour_events(self, image: np.ndarray, new_scene: bool, events: list[str],
                        tags: set[str]) -> None:
-        colours = tuple(sorted(dominant_colours(image)))
+        named = dominant_colours(image)  # most common first
+        colours = tuple(sorted(named))
         # a change must hold for two frames, so colours near a boundary do not flip
         stable = colours == self._colour_candidate
         self._colour_candidate = colours
         if colours and (new_scene or (stable and colours != self._colours)):
             self._colours = colours
-            events.append("colours " + ", ".join(dominant_colours(image)))
+            events.append("colours " + ", ".join(named))
             tags.add("colour")
 
     def _text_events(self, image: np.ndarray, events: list[str], tags: set[str]) -> None:

@@ -136,8 +136,9 @@ def write_clip(
             base = photo(scene.photo, width, height)
             if scene.caption:
                 draw_caption(base, scene.caption)
+            person = person_image(height) if scene.person_from is not None else None
             for i in range(int(scene.seconds * fps)):
-                frame = draw_events(base.copy(), scene, i, fps)
+                frame = draw_events(base.copy(), scene, i, fps, person)
                 video_frame = av.VideoFrame.from_ndarray(frame, format="rgb24")
                 video_frame.pts = index
                 video_frame.time_base = Fraction(1, fps)
@@ -153,13 +154,16 @@ def write_clip(
     return path
 
 
-def draw_events(frame: np.ndarray, scene: Scene, i: int, fps: int) -> np.ndarray:
-    """Frame `i` of the scene with its moving square and person drawn in."""
+def draw_events(frame: np.ndarray, scene: Scene, i: int, fps: int,
+                person: np.ndarray | None = None) -> np.ndarray:
+    """Frame `i` of the scene with its moving square and person drawn in (`person`: the
+    scene's `person_image`, made here when not given)."""
     height, width = frame.shape[:2]
     t = i / fps
     if scene.person_from is not None and \
             scene.person_from <= t < (scene.person_until or scene.seconds):
-        person = _person(height * 2 // 3)
+        if person is None:
+            person = person_image(height)
         ph, pw = person.shape[:2]
         left = width - pw - width // 16
         frame[height - ph :, left : left + pw] = person
@@ -178,10 +182,11 @@ def draw_events(frame: np.ndarray, scene: Scene, i: int, fps: int) -> np.ndarray
     return frame
 
 
-def _person(height: int) -> np.ndarray:
-    """The astronaut's head and shoulders from scikit-image, `height` pixels tall."""
+def person_image(frame_height: int) -> np.ndarray:
+    """The astronaut's head and shoulders from scikit-image, 2/3 of the frame tall."""
     import skimage.data
 
+    height = frame_height * 2 // 3
     crop = skimage.data.astronaut()[0:300, 90:330]
     width = round(crop.shape[1] * height / crop.shape[0])
     return cv2.resize(crop, (width, height), interpolation=cv2.INTER_AREA)

@@ -1,7 +1,7 @@
 """Frame sampling at a target rate and a cheap pixel-difference pre-filter.
 
-The pre-filter follows vllm-omni: compare a 64x64 grayscale thumbnail with that of the last
-kept frame and skip frames that barely changed. A scene cut is always kept and marked
+The pre-filter follows vllm-omni: compare a 64x64 thumbnail with that of the last kept
+frame and skip frames that barely changed. A scene cut is always kept and marked
 (`SceneCutDetector`).
 """
 
@@ -51,8 +51,7 @@ class SceneCutDetector:
     def __init__(self, layout: float = 0.35, changed: float = 0.7, colour: float = 0.5,
                  brightness: float = 30.0, flat_std: float = 4.0, area: float = 0.4,
                  cell: float = 20.0) -> None:
-        self.cell = cell
-        self.layout, self.changed, self.area = layout, changed, area
+        self.layout, self.changed, self.area, self.cell = layout, changed, area, cell
         self.colour, self.brightness, self.flat_std = colour, brightness, flat_std
 
     @staticmethod

@@ -30,7 +30,6 @@ class Blob:
 
 @dataclass
 class Track:
-    id: int
     colour: str
     first_x: float
     first_y: float
@@ -58,7 +57,6 @@ class MotionTracker:
 
     def __post_init__(self) -> None:
         self._subtractor = self._new_subtractor()
-        self._next_id = 1
 
     def _new_subtractor(self):
         return cv2.createBackgroundSubtractorMOG2(history=self.history, varThreshold=32,
@@ -114,9 +112,7 @@ class MotionTracker:
                 heading = f", {track.direction}" if track.direction else ""
                 events.append(f"the {track.colour} object left{heading}")
         for blob in unmatched:
-            self.tracks.append(Track(self._next_id, blob.colour, blob.x, blob.y, blob.x,
-                                     blob.y, blob.area))
-            self._next_id += 1
+            self.tracks.append(Track(blob.colour, blob.x, blob.y, blob.x, blob.y, blob.area))
         return events
 
     def _closest(self, track: Track, blobs: list[Blob]) -> Blob | None:

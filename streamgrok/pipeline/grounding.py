@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from streamgrok.media.items import Note, format_time
+from streamgrok.media.observers import COUNTED
 
 WORD = re.compile(r"[a-z0-9]+")
 STOP = frozenset(
@@ -48,8 +49,9 @@ TOPICS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
                frozenset({"cut"}), "no scene change was seen"),
 }
 RECENT = 3  # the latest notes always go in: "what is happening now"
-IN_VIEW = re.compile(r"\d+ (person|people|face|faces|cat face|cat faces) (?:appeared|left) "
-                     r"\((\d+|none) in view\)")
+PLURAL = {one: many for _, one, many, _ in COUNTED} | {many: many for _, _, many, _ in COUNTED}
+IN_VIEW = re.compile(r"\d+ (" + "|".join(sorted(PLURAL, key=len, reverse=True)) + r") "
+                     r"(?:appeared|left) \((\d+|none) in view\)")  # observers.count_change
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def relevant_notes(question: str, log: NoteLog, limit: int = 12) -> list[LoggedN
     """The notes that bear on `question`, in stream order: by topic and shared words, plus
     the latest few."""
     asked, topics = words(question), topics_of(question)
-    wanted_tags = set().union(*(TOPICS[t][1] for t in topics)) if topics else set()
+    wanted_tags = set().union(*(TOPICS[t][1] for t in topics))
     notes = list(log.notes)
     scored = []
     for index, note in enumerate(notes):
@@ -121,7 +123,7 @@ def counts(log: NoteLog) -> str:
     most: dict[str, int] = {}
     for note in log.notes:
         for kind, now in IN_VIEW.findall(note.text):
-            kind = {"person": "people", "face": "faces", "cat face": "cat faces"}.get(kind, kind)
+            kind = PLURAL[kind]
             most[kind] = max(most.get(kind, 0), 0 if now == "none" else int(now))
     cuts = sum("cut" in note.tags for note in log.notes)
     movers = sum(note.text.count("object appeared") for note in log.notes)
