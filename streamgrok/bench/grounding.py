@@ -39,7 +39,8 @@ OLD_SYSTEM = (
     "hears arrive with timestamps [mm:ss]. Answer briefly, from the notes."
 )
 CATEGORIES = ("speech", "presence", "change", "colour/motion", "text", "counting")
-NEGATION = ("no ", "not ", "none", "didn't", "did not", "nobody", "no one", "n't")
+NEGATION = ("no", "not", "none", "never", "nobody", "no one", "didn't", "wasn't", "isn't",
+            "weren't", "doesn't", "haven't")
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,9 @@ class Question:
     facts: tuple[tuple[str, ...], ...]  # every fact must appear, in any of its spellings
 
     def score(self, answer: str) -> bool:
-        said = " " + normalise(answer) + " "
-        return all(any(f" {normalise(s)}" in said or normalise(s) in said for s in fact)
-                   for fact in self.facts)
+        """Every fact is in the answer as whole words ("no" is not in "know")."""
+        said = f" {normalise(answer)} "
+        return all(any(f" {normalise(s)} " in said for s in fact) for fact in self.facts)
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class Clip:
 
 
 def normalise(text: str) -> str:
-    return re.sub(r"[^a-z0-9: ]+", " ", text.lower()).strip()
+    """Lower case, words and times only, single spaces ("didn't" stays one word)."""
+    return " ".join(re.sub(r"[^a-z0-9:']+", " ", text.lower().replace("\u2019", "'")).split())
 
 
 def clips() -> list[Clip]:
