@@ -188,3 +188,14 @@ def test_counting_questions_get_the_totals():
                  (8.0, "scene cut: a different scene; 1 face left (none in view)", {"cut"}))
     prompt = grounded_prompt("How many scene cuts were there?", log)
     assert "2 scene cuts" in prompt and "at most 1 faces in view" in prompt
+
+
+def test_a_grounded_prompt_leaves_out_the_oldest_notes_to_fit_its_room():
+    log = log_of(*[(float(i), f'said: "sentence number {i}"', {"speech", "transcript"})
+                   for i in range(20)])
+    full = grounded_prompt("What was said?", log)
+    fitted = grounded_prompt("What was said?", log, room=len(full) // 2, count=len)
+    assert len(fitted) <= len(full) // 2
+    assert "sentence number 19" in fitted and "sentence number 0\"" not in fitted
+    assert fitted.rstrip().endswith("What was said?")
+    assert grounded_prompt("What was said?", log, room=20, count=len) == "What was said?"

@@ -216,6 +216,15 @@ class Engine:
         budget = self.cache.min_budget()
         return None if budget is None else int(budget * self.config.max_protected_fraction)
 
+    def question_room(self, session: SessionState) -> int | None:
+        """How many tokens the text of a question to `session` may have (None: no bound):
+        what the protected share leaves after the system prompt and the turn's framing."""
+        limit = self.protected_limit()
+        if limit is None:
+            return None
+        framing = len(self.tokenizer.encode(self.render_turn(session, "user", "", True)))
+        return limit - len(session.system_tokens) - framing
+
     def _check_protected_fits(self, what: str, tokens: int) -> None:
         limit = self.protected_limit()
         if limit is not None and tokens > limit:

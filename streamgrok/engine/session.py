@@ -189,6 +189,11 @@ class Session:
         self._check_open()
         return self._engine.submit_question(self._state, question, sampling, raw, remember)
 
+    def question_room(self) -> int | None:
+        """How many tokens a question's text may have before it is refused as too large
+        (None: no bound)."""
+        return self._engine.question_room(self._state)
+
     async def cache_info(self) -> dict:
         """What the KV cache holds of this session: `layer_tokens` (tokens per layer) and
         `retained` (the frames, notes and audio eviction kept), read on the engine thread."""

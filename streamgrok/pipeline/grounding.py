@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from streamgrok.media.items import Note, format_time
@@ -102,17 +103,33 @@ def relevant_notes(question: str, log: NoteLog, limit: int = 12) -> list[LoggedN
     return [notes[i] for i in sorted(chosen)][-limit * 2:]
 
 
-def grounded_prompt(question: str, log: NoteLog) -> str:
-    """The question with the notes it should be answered from, and what was not observed."""
+def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
+                    count: Callable[[str], int] | None = None) -> str:
+    """The question with the notes it should be answered from, and what was not observed.
+    With `room` (tokens, as `count` measures text) the oldest chosen notes are left out
+    until the prompt fits, and the bare question goes when nothing else does (it is never
+    cut)."""
     notes = relevant_notes(question, log)
     missing = [TOPICS[t][2] for t in topics_of(question)
                if not any(n.tags & TOPICS[t][1] for n in log.notes)]
+    totals = counts(log) if "how many" in question.lower() else None
+    prompt = _layout(question, notes, missing, totals)
+    if room is None or count is None:
+        return prompt
+    while notes and count(prompt) > room:
+        notes = notes[1:]
+        prompt = _layout(question, notes, missing, totals)
+    return prompt if count(prompt) <= room else question
+
+
+def _layout(question: str, notes: list[LoggedNote], missing: list[str],
+            totals: str | None) -> str:
     lines = ["What the stream showed and said so far:"]
     lines += [note.line() for note in notes] or ["- nothing yet"]
     if missing:
         lines.append("- never: " + "; ".join(missing))
-    if "how many" in question.lower():
-        lines.append("- in all: " + counts(log))
+    if totals:
+        lines.append("- in all: " + totals)
     lines.append("")
     lines.append(f"Using only these notes, answer in one short sentence: {question}")
     return "\n".join(lines)

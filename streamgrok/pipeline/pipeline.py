@@ -59,8 +59,8 @@ class Pipeline:
     )
     clip: ClipEncoder | None = None
     projector: Projector | None = None
-    # questions carry the notes that bear on them (see `grounding`); bench grounding turns it on
-    grounded: bool = False  # on by default once prompts fit small KV budgets (#15)
+    # questions carry the notes that bear on them (see `grounding`); False asks them bare
+    grounded: bool = True
     # what a remote client may set in session.start (everything else is server configuration)
     client_options: dict[str, ClientOption] = field(
         default_factory=lambda: dict(DEFAULT_CLIENT_OPTIONS))
@@ -215,8 +215,10 @@ class PipelineRunner:
             sampling = self.pipeline.sampling
             one_line = replace(sampling, stop_token_ids=sampling.stop_token_ids
                                | self.engine.tokenizer.line_break_ids())
-            answer = self.session.ask(grounded_prompt(question, self.notes), one_line,
-                                      remember=False)
+            tokenizer = self.engine.tokenizer
+            prompt = grounded_prompt(question, self.notes, self.session.question_room(),
+                                     lambda text: len(tokenizer.encode(text)))
+            answer = self.session.ask(prompt, one_line, remember=False)
         else:
             answer = self.session.ask(question, self.pipeline.sampling)
         when = self.stats.stream_time if pts is None else pts
