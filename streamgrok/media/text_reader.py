@@ -18,7 +18,7 @@ WORD = re.compile(r"^[A-Za-z0-9][A-Za-z0-9'&:.,!?%$#-]*$")
 class TextReader:
     """Reads the words shown in an RGB frame (slow: a few hundred ms a frame)."""
 
-    def __init__(self, min_confidence: float = 55.0, timeout_s: float = 5.0,
+    def __init__(self, min_confidence: float = 85.0, timeout_s: float = 5.0,
                  width: int = 800) -> None:
         self.min_confidence = min_confidence
         self.timeout_s = timeout_s
@@ -39,7 +39,7 @@ class TextReader:
             gray = cv2.resize(gray, (self.width, round(h * self.width / w)),
                               interpolation=cv2.INTER_CUBIC)
         try:
-            data = pytesseract.image_to_data(gray, config="--psm 11", timeout=self.timeout_s,
+            data = pytesseract.image_to_data(gray, config="--psm 6", timeout=self.timeout_s,
                                              output_type=pytesseract.Output.DICT)
         except (RuntimeError, pytesseract.TesseractError, OSError):
             return ""

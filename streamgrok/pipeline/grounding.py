@@ -49,7 +49,7 @@ TOPICS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
                          "happened events".split()),
                frozenset({"cut"}), "no scene change was seen"),
 }
-RECENT = 3  # the latest notes always go in: "what is happening now"
+RECENT = 1  # the latest notes always go in: "what is happening now"
 PLURAL = {one: many for _, one, many, _ in COUNTED} | {many: many for _, _, many, _ in COUNTED}
 IN_VIEW = re.compile(r"\d+ (" + "|".join(sorted(PLURAL, key=len, reverse=True)) + r") "
                      r"(?:appeared|left) \((\d+|none) in view\)")  # observers.count_change
@@ -84,7 +84,7 @@ def topics_of(question: str) -> list[str]:
     return [name for name, (cues, _, _) in TOPICS.items() if asked & cues]
 
 
-def relevant_notes(question: str, log: NoteLog, limit: int = 12) -> list[LoggedNote]:
+def relevant_notes(question: str, log: NoteLog, limit: int = 6) -> list[LoggedNote]:
     """The notes that bear on `question`, in stream order: by topic and shared words, plus
     the latest few."""
     asked, topics = words(question), topics_of(question)
