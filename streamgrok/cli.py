@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight answers may finish after SIGTERM/SIGINT")
     srv.add_argument("--media-workers", type=int, default=2,
                      help="processes that decode frames and run OpenCV detectors")
+    srv.add_argument("--load-tick", type=float, default=2.0,
+                     help="seconds between load governor readings; 0 turns the governor off "
+                          "(no busy refusals, no degraded sampling)")
     _add_model_options(srv)
 
     bench = commands.add_parser("bench", help="run a benchmark")
@@ -306,7 +309,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(args.pipeline, args.host, args.port, args.token, args.allow_origin,
                           parse_options(args.set or []), media_workers=args.media_workers,
-                          shutdown_timeout_s=args.shutdown_timeout)
+                          shutdown_timeout_s=args.shutdown_timeout,
+                          load_tick_s=args.load_tick if args.load_tick > 0 else None)
     cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
                         memory_gib=args.kv_memory_gib)
     loaded = _load(args)
