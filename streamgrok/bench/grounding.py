@@ -87,7 +87,7 @@ def clips() -> list[Clip]:
             Question("Which gate does the truck arrive at?", "speech", (("7", "seven"),)),
             Question("What text was shown on screen?", "text", (("gate",),)),
             Question("Was there a person on screen?", "presence", absent=True),
-            Question("When did the scene change?", "change", (("00:08", "8 s", "8 sec"),)),
+            Question("When did the scene change?", "change", (("00:08", "8 s", "8 seconds"),)),
         ]),
         Clip("visitor", [
             Scene("coffee", 4.0),
@@ -98,7 +98,8 @@ def clips() -> list[Clip]:
             Question("Who appeared on screen?", "presence", (("person", "face", "man",
                                                               "someone", "oliver"),)),
             Question("What name did the speaker say?", "speech", (("oliver",),)),
-            Question("When did the person appear?", "change", (("00:06", "00:07"),)),
+            Question("When did the person appear?", "change",
+                     (("00:06", "00:07", "6 seconds", "7 seconds"),)),
             Question("How many people were in view at most?", "counting", (("1", "one"),)),
             Question("Was a cat seen?", "presence", absent=True),
         ]),
@@ -108,7 +109,7 @@ def clips() -> list[Clip]:
             Scene("rocket", 4.0, speech="This is the third scene.", voice="en+f3", speed=170),
         ], [
             Question("How many scene cuts were there?", "counting", (("2", "two"),)),
-            Question("When was the first scene cut?", "change", (("00:04",),)),
+            Question("When was the first scene cut?", "change", (("00:04", "4 seconds"),)),
             Question("What did the voice say?", "speech", (("third",), ("scene",))),
             Question("What colours were seen?", "colour/motion",
                      (("grey", "brown", "beige", "white", "black", "orange", "blue"),)),
@@ -140,7 +141,7 @@ def clips() -> list[Clip]:
             Question("Who was on screen at the start?", "presence",
                      (("person", "face", "man", "someone", "astronaut"),)),
             Question("How many faces were seen?", "counting", (("1", "one"),)),
-            Question("When did the sign disappear?", "change", (("00:04",),)),
+            Question("When did the sign disappear?", "change", (("00:04", "4 seconds"),)),
         ]),
     ]
 

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streamgrok.media.items import Note, format_time
+from streamgrok.media.items import Note
 from streamgrok.media.observers import COUNTED
 
 WORD = re.compile(r"[a-z0-9]+")
@@ -62,7 +62,7 @@ class LoggedNote:
     tags: frozenset[str]
 
     def line(self) -> str:
-        return f"- at {format_time(self.pts)}: {self.text}"
+        return f"- at {self.pts:.0f} seconds: {self.text}"
 
 
 class NoteLog:
@@ -124,7 +124,7 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
 
 def _layout(question: str, notes: list[LoggedNote], missing: list[str],
             totals: str | None) -> str:
-    lines = ["What the stream showed and said so far:"]
+    lines = ["Notes (time, what was seen or heard):"]
     lines += [note.line() for note in notes] or ["- nothing yet"]
     if missing:
         lines.append("- never: " + "; ".join(missing))
