@@ -313,9 +313,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           load_tick_s=args.load_tick if args.load_tick > 0 else None)
     cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
                         memory_gib=args.kv_memory_gib)
-    loaded = _load(args)
     try:
-        uvloop.run(serve_forever(loaded, config, cache))
+        uvloop.run(serve_forever(lambda: _load(args), config, cache))
     except KeyboardInterrupt:
         pass
     return 0

@@ -214,7 +214,8 @@ async def test_metrics_and_page(server):
 
 async def test_token_required_off_loopback_and_checked(tiny_loaded, monkeypatch):
     monkeypatch.delenv("STREAMGROK_TOKEN", raising=False)
-    with pytest.raises(ValueError, match="requires a token"):
+    monkeypatch.delenv("STREAMGROK_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="requires an API key"):
         ServerConfig(PIPELINE, host="0.0.0.0")
     config = ServerConfig(PIPELINE, port=0, token="s3cret")
     srv = StreamgrokServer(tiny_loaded, config, CacheConfig(memory_gib=0.02))

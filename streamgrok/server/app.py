@@ -1,10 +1,9 @@
-"""`streamgrok serve PIPELINE.py`: websocket sessions, the demo page and /metrics on one port."""
+"""`streamgrok serve PIPELINE.py`: websocket sessions, the OpenAI-compatible HTTP API, the
+demo page and /metrics on one port (Starlette on uvicorn)."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import http
 import ipaddress
 import logging
 import os
@@ -14,11 +13,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
-from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
+import uvicorn
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine
@@ -28,15 +24,14 @@ from streamgrok.pipeline.loader import load_pipeline
 from streamgrok.pipeline.options import check_client_options
 from streamgrok.pipeline.pipeline import Pipeline
 from streamgrok.pipeline.resources import SharedResources
+from streamgrok.server.access import Access
 from streamgrok.server.connection import ClientConnection
 from streamgrok.server.load import CpuMeter, LoadGovernor, LoadLimits, LoadReading
 from streamgrok.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-STATIC_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-                ".css": "text/css; charset=utf-8"}
-TOKEN_ENV = "STREAMGROK_TOKEN"
+TOKEN_ENVS = ("STREAMGROK_API_KEY", "STREAMGROK_TOKEN")
 
 
 @dataclass
@@ -46,7 +41,7 @@ class ServerConfig:
     pipeline_path: str
     host: str = "127.0.0.1"
     port: int = 8765
-    token: str | None = None
+    token: str | None = None  # the API key (`--api-key`, formerly `--token`)
     allowed_origins: list[str] = field(default_factory=list)
     pipeline_options: dict = field(default_factory=dict)
     max_message_bytes: int = 2 * 2**20
@@ -62,13 +57,18 @@ class ServerConfig:
     load_limits: LoadLimits = field(default_factory=LoadLimits)
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight answers may finish
     static_dir: Path = STATIC_DIR
+    max_request_bytes: int = 8 * 2**20  # an HTTP request body (images travel base64 in it)
+    max_completion_tokens: int = 1024  # the most an HTTP request may ask to generate
+    max_images: int = 8  # images in one HTTP request
+    model_name: str | None = None  # the id /v1/models lists (default: the model file's name)
 
     def __post_init__(self) -> None:
-        self.token = self.token or os.environ.get(TOKEN_ENV) or None
+        self.token = self.token or next(
+            (os.environ[name] for name in TOKEN_ENVS if os.environ.get(name)), None)
         if not _is_loopback(self.host) and not self.token:
             raise ValueError(
-                f"binding to {self.host} (not loopback) requires a token: pass --token or set "
-                f"{TOKEN_ENV}"
+                f"binding to {self.host} (not loopback) requires an API key: pass --api-key "
+                f"or set {TOKEN_ENVS[0]}"
             )
 
 
@@ -81,20 +81,26 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-class StreamgrokServer:
-    """One engine shared by every client session; one port for websocket and HTTP."""
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: `serve_forever` drains on SIGTERM itself."""
 
-    def __init__(self, loaded: LoadedModel, config: ServerConfig,
+    def capture_signals(self):  # noqa: D102
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class StreamgrokServer:
+    """One engine shared by every client session; one port for websockets and HTTP.
+
+    Give `loaded=None` to start serving (`/health` says 503) before the model is loaded, and
+    `await load(model)` when it is."""
+
+    def __init__(self, loaded: LoadedModel | None, config: ServerConfig,
                  cache: CacheConfig | None = None) -> None:
-        self.loaded = loaded
         self.config = config
+        self.loaded: LoadedModel | None = None
         self.resources = SharedResources(NativeMediaPool(config.media_workers))
-        self.pipeline = self.session_pipeline(None)  # fail early; the client allow-list
-        ingest = self.pipeline.ingest
-        if ingest.audio:  # loaded once, before the first client waits on them
-            self.resources.speech_model()
-            if ingest.transcribe:
-                self.resources.transcriber(ingest.speech_model)
         self.cache_config = cache or CacheConfig()
         self.metrics = ServerMetrics(self.drops)
         self.governor = LoadGovernor(self.resources.degradation, config.load_limits)
@@ -105,7 +111,34 @@ class StreamgrokServer:
         self.engine: Engine | None = None
         self.active_sessions = 0
         self.connections: set[ClientConnection] = set()
-        self.server: Server | None = None
+        self.access = Access(config.token, config.allowed_origins)
+        self.accepting = True  # False while draining: new sessions and requests get 503
+        self.http: _Uvicorn | None = None
+        self._socket: socket.socket | None = None
+        self.pipeline: Pipeline | None = None
+        if loaded is not None:
+            self._prepare(loaded)
+
+    def _prepare(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.pipeline = self.session_pipeline(None)  # fail early; the client allow-list
+        ingest = self.pipeline.ingest
+        if ingest.audio:  # loaded once, before the first client waits on them
+            self.resources.speech_model()
+            if ingest.transcribe:
+                self.resources.transcriber(ingest.speech_model)
+
+    @property
+    def ready(self) -> bool:
+        """The model is loaded and the engine runs."""
+        return self.engine is not None
+
+    @property
+    def model_name(self) -> str:
+        """The model id the HTTP API lists and accepts."""
+        if self.config.model_name:
+            return self.config.model_name
+        return self.loaded.source.stem if self.loaded is not None else "loading"
 
     def session_pipeline(self, client_options: dict | None) -> Pipeline:
         """The pipeline of a new session: the server's options, plus what the client may set
@@ -116,26 +149,45 @@ class StreamgrokServer:
             options.update(check_client_options(self.pipeline.client_options, client_options))
         return load_pipeline(self.config.pipeline_path, options, self.resources)
 
-    async def start(self) -> Server:
-        self.engine = Engine(self.loaded, self.cache_config)
-        self.engine.start()
+    async def start(self) -> None:
+        """Listen on the port; with a model given at construction, start the engine too."""
+        from streamgrok.server.http_app import build_app
+
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.config.host, self.config.port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._socket = sock
         port = sock.getsockname()[1]  # the real port, also when 0 asked for any
-        origins = [None] + [o.rstrip("/") for o in self.config.allowed_origins] + [
-            f"http://{h}:{port}" for h in ("127.0.0.1", "localhost", self.config.host)
-        ]
-        self.server = await serve(
-            self._handle, sock=sock,
-            process_request=self._process_request, origins=origins,
-            max_size=4 * self.config.max_message_bytes, max_queue=32,
-            server_header="streamgrok",
+        self.access.origins.update(f"http://{h}:{port}"
+                                   for h in ("127.0.0.1", "localhost", self.config.host))
+        http_config = uvicorn.Config(
+            build_app(self), lifespan="off", ws="websockets-sansio",
+            ws_max_size=4 * self.config.max_message_bytes, ws_ping_interval=20.0,
+            log_level="warning", access_log=False, server_header=False,
+            headers=[("server", "streamgrok")], timeout_graceful_shutdown=5,
         )
+        self.http = _Uvicorn(http_config)
+        http_config.load()
+        self.http.lifespan = http_config.lifespan_class(http_config)
+        await self.http.startup(sockets=[sock])
+        if self.loaded is not None:
+            self._start_engine()
+
+    async def load(self, loaded: LoadedModel) -> None:
+        """The model is loaded: prepare the pipeline and start the engine (then /health is
+        200)."""
+        await asyncio.to_thread(self._prepare, loaded)
+        self._start_engine()
+
+    def _start_engine(self) -> None:
+        self.engine = Engine(self.loaded, self.cache_config)
+        self.engine.start()
         if self.config.load_tick_s is not None:
             self._governing = asyncio.create_task(self._govern())
-        return self.server
+        log.info("model %s loaded; serving", self.model_name)
 
     async def _govern(self) -> None:
         """Measure the load every tick and let the governor degrade, restore or refuse."""
@@ -170,6 +222,8 @@ class StreamgrokServer:
 
     def admission(self) -> str:
         """Why a new session is refused now (`busy`), or empty when there is room."""
+        if not self.accepting:
+            return "the server is shutting down"
         if self.active_sessions >= self.config.max_sessions:
             return f"the server is configured for at most {self.config.max_sessions} sessions"
         refused = self.governor.admit(self.active_sessions)
@@ -195,9 +249,10 @@ class StreamgrokServer:
         """Close every connection and stop the engine and media workers (idempotent)."""
         if self._governing is not None:
             self._governing.cancel()
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+        if self.http is not None:
+            http, self.http = self.http, None
+            http.should_exit = True
+            await http.shutdown(sockets=[self._socket])
         if self.engine is not None:
             await self.engine.stop()
         self.resources.close()
@@ -217,9 +272,10 @@ class StreamgrokServer:
 
     @property
     def port(self) -> int:
-        return self.server.sockets[0].getsockname()[1] if self.server else self.config.port
+        return self._socket.getsockname()[1] if self._socket is not None else self.config.port
 
-    async def _handle(self, ws: ServerConnection) -> None:
+    async def serve_websocket(self, ws) -> None:
+        """One protocol-v1 client on an accepted websocket (see `http_app`)."""
         connection = ClientConnection(self, ws)
         self.connections.add(connection)
         try:
@@ -227,11 +283,20 @@ class StreamgrokServer:
         finally:
             self.connections.discard(connection)
 
+    def live_session(self, session_id: str) -> ClientConnection | None:
+        """The websocket client whose running session has this id (for HTTP questions about
+        a live stream)."""
+        return next((c for c in self.connections if c.runner is not None
+                     and c.runner.session is not None
+                     and str(c.runner.session.id) == str(session_id)), None)
+
     async def drain(self, timeout_s: float) -> None:
         """Graceful stop: accept no one new, let in-flight answers finish for up to
         `timeout_s`, then end every session (`session.ended`, close 1001) and stop."""
-        if self.server is not None:
-            self.server.close(close_connections=False)
+        self.accepting = False
+        if self.http is not None:
+            for listener in self.http.servers:
+                listener.close()
         deadline = asyncio.get_running_loop().time() + timeout_s
         while any(c.answers_in_flight() for c in self.connections):
             if asyncio.get_running_loop().time() >= deadline:
@@ -243,60 +308,31 @@ class StreamgrokServer:
                              return_exceptions=True)
         await self.stop()
 
-    def _authorized(self, request: Request) -> bool:
-        if not self.config.token:
-            return True
-        header = request.headers.get("Authorization", "")
-        offered = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-        if not offered:
-            offered = (parse_qs(urlsplit(request.path).query).get("token") or [""])[0]
-        return hmac.compare_digest(offered.encode(), self.config.token.encode())
 
-    def _process_request(self, connection: ServerConnection, request: Request):
-        if not request.path.isprintable():
-            return connection.respond(http.HTTPStatus.BAD_REQUEST, "bad request path\n")
-        path = urlsplit(request.path).path
-        upgrade = request.headers.get("Upgrade", "").lower() == "websocket"
-        if upgrade:
-            if path != "/ws":
-                return connection.respond(http.HTTPStatus.NOT_FOUND, "not found\n")
-            if not self._authorized(request):
-                return connection.respond(http.HTTPStatus.UNAUTHORIZED, "unauthorized\n")
-            return None
-        if path == "/metrics":
-            if not self._authorized(request):
-                return connection.respond(http.HTTPStatus.UNAUTHORIZED, "unauthorized\n")
-            body = self.metrics.render(self.engine.snapshot())
-            return _response(200, "OK", body, "text/plain; version=0.0.4; charset=utf-8")
-        name = "index.html" if path in ("/", "") else path.lstrip("/")
-        file = (self.config.static_dir / name).resolve()
-        if file.parent != self.config.static_dir.resolve() or not file.is_file() \
-                or file.suffix not in STATIC_TYPES:
-            return connection.respond(http.HTTPStatus.NOT_FOUND, "not found\n")
-        return _response(200, "OK", file.read_bytes(), STATIC_TYPES[file.suffix])
-
-
-def _response(status: int, reason: str, body: bytes, content_type: str) -> Response:
-    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body))),
-                       ("Cache-Control", "no-store")])
-    return Response(status, reason, headers, body)
-
-
-async def serve_forever(loaded: LoadedModel, config: ServerConfig,
-                        cache: CacheConfig | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then drain (see `StreamgrokServer.drain`)."""
-    server = StreamgrokServer(loaded, config, cache)
-    await server.start()
+async def serve_forever(load, config: ServerConfig, cache: CacheConfig | None = None) -> None:
+    """Listen at once (`/health` is 503 while `load()` loads the model in a thread, 200
+    after), then run until SIGTERM or SIGINT, then drain (see `StreamgrokServer.drain`)."""
+    server = StreamgrokServer(None, config, cache)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"streamgrok serving {config.pipeline_path} on http://{config.host}:{server.port}/ "
-          f"(websocket /ws, metrics /metrics)", flush=True)
     try:
+        await server.start()
+        log.info("listening on %s:%d; loading the model", config.host, server.port)
+        loading = asyncio.ensure_future(asyncio.to_thread(load))
+        await asyncio.wait([loading, asyncio.ensure_future(stop.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            return
+        await server.load(loading.result())
+        print(f"streamgrok serving {config.pipeline_path} on http://{config.host}:{server.port}/ "
+              f"(websocket /ws and /v1/realtime, OpenAI API /v1, health /health, metrics "
+              f"/metrics)", flush=True)
         await stop.wait()
         print(f"streamgrok: draining (up to {config.shutdown_timeout_s:g} s for answers in "
               "flight)", flush=True)
+        log.info("draining")
         await server.drain(config.shutdown_timeout_s)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):

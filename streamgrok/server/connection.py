@@ -6,10 +6,8 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
 
 from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.media.container_process import ContainerProcess
@@ -27,6 +25,7 @@ from streamgrok.pipeline.events import (
 )
 from streamgrok.pipeline.options import OptionError
 from streamgrok.pipeline.pipeline import PipelineRunner
+from streamgrok.server.asgi_socket import AsgiSocket, ClientGone
 from streamgrok.server.protocol import ProtocolError, event, parse_binary, parse_text
 
 if TYPE_CHECKING:
@@ -39,7 +38,7 @@ ESSENTIAL = {"response.done", "error", "session.started", "session.ended"}
 class ClientConnection:
     """Owns one client's session; bad input gets an `error` event, never a crash."""
 
-    def __init__(self, server: StreamgrokServer, ws: ServerConnection) -> None:
+    def __init__(self, server: StreamgrokServer, ws: AsgiSocket) -> None:
         self.server = server
         self.ws = ws
         self.config = server.config
@@ -53,6 +52,7 @@ class ClientConnection:
         self.media_times: deque[float] = deque()
         self.rate_limited = 0  # media messages dropped over the per-second limit
         self.rate_limit_reported = float("-inf")
+        self.listeners: dict[Any, Callable[[PipelineEvent], None]] = {}  # query id -> HTTP
         self.outbox: deque[tuple[str, str]] = deque()
         self.outbox_ready = asyncio.Event()
         self.dropped_outbound = 0
@@ -70,7 +70,7 @@ class ClientConnection:
                     await self.ws.close(1000, "idle timeout")
                     return
                 await self._handle_safely(raw)
-        except ConnectionClosed:
+        except ClientGone:
             pass
         finally:
             self.closed = True
@@ -176,20 +176,35 @@ class ClientConnection:
                    f"{type(error).__name__}: {error}")
 
     async def _query(self, message: dict) -> None:
+        self._check_text_size(message)
+        self.ask(message["text"], message.get("id"))
+
+    def ask(self, text: str, query_id: Any = None,
+            listener: Callable[[PipelineEvent], None] | None = None) -> Any:
+        """Ask this session's pipeline (grounded in what it saw and heard); the answer streams
+        to the client and, when given, to `listener` too (an HTTP request about this live
+        session). Returns the query id; raises `ProtocolError` when refused."""
+        if self.runner is None:
+            raise ProtocolError("no_session", "the session has ended", query_id)
         self.answers = {q: a for q, a in self.answers.items() if not a.finished}
         if len(self.answers) >= self.config.max_inflight_queries:
             raise ProtocolError("too_many_queries",
                                 f"{len(self.answers)} queries in flight (max "
-                                f"{self.config.max_inflight_queries})", message.get("id"))
-        self._check_text_size(message)
+                                f"{self.config.max_inflight_queries})", query_id)
         refused = self.server.question_admission(self.runner.pipeline.sampling.max_tokens)
         if refused:
             self.server.metrics.refused_questions.inc()
-            raise ProtocolError("busy", refused, message.get("id"))
+            raise ProtocolError("busy", refused, query_id)
         self.queries_asked += 1
-        query_id = message.get("id") or f"q{self.queries_asked}"
-        answer = self.runner.ask(message["text"], query_id=query_id)
-        self.answers[query_id] = answer
+        query_id = query_id or f"q{self.queries_asked}"
+        if listener is not None:
+            self.listeners[query_id] = listener
+        try:
+            self.answers[query_id] = self.runner.ask(text, query_id=query_id)
+        except Exception:
+            self.listeners.pop(query_id, None)
+            raise
+        return query_id
 
     def _check_text_size(self, message: dict) -> None:
         text = message["text"]
@@ -269,6 +284,12 @@ class ClientConnection:
     async def deliver(self, item: PipelineEvent) -> None:
         """The pipeline's sink: typed pipeline events become protocol messages. A trigger's
         answer streams with query_id `auto-N`."""
+        if isinstance(item, DeltaEvent | DoneEvent | ErrorEvent) and item.answer_id is not None:
+            listener = self.listeners.get(_query_id(item))
+            if listener is not None:
+                if not isinstance(item, DeltaEvent):
+                    del self.listeners[_query_id(item)]
+                listener(item)
         match item:
             case QuestionEvent(query_id=None):  # a trigger asked: tell the client
                 self.send("event", kind=item.purpose, text=item.text, t=item.pts,
@@ -317,7 +338,7 @@ class ClientConnection:
             _, text = self.outbox.popleft()
             try:
                 await self.ws.send(text)
-            except ConnectionClosed:
+            except ClientGone:
                 return
 
     def error(self, code: str, message: str, message_id: Any = None, **fields: Any) -> None:
@@ -388,6 +409,10 @@ class ClientConnection:
         if self.runner is None:
             return
         runner, self.runner = self.runner, None
+        for query_id, listener in list(self.listeners.items()):
+            listener(ErrorEvent("the live session ended", runner.stats.stream_time,
+                                stage="answer", answer_id=0, query_id=query_id))
+        self.listeners.clear()
         # its drops and frames move to the server's totals at once; a next session starts at 0
         self.server.session_ended(self.drops(runner), self.frame_index)
         self.rate_limited = self.dropped_outbound = self.frame_index = 0

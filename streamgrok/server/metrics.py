@@ -48,11 +48,13 @@ class ServerMetrics:
         self.tokens.inc(metrics.get("tokens") or 0)
         self.answers.labels(metrics.get("finish_reason") or "unknown").inc()
 
-    def render(self, snapshot: dict) -> bytes:
-        """Prometheus text exposition, with gauges refreshed from the engine snapshot."""
-        self.kv_pages.set(snapshot["kv_pages_used"])
-        self.kv_pages_total.set(snapshot["kv_pages_total"])
-        self.evicted.set(snapshot["evicted_tokens"])
+    def render(self, snapshot: dict | None) -> bytes:
+        """Prometheus text exposition, with gauges refreshed from the engine snapshot (None
+        while the model loads)."""
+        if snapshot is not None:
+            self.kv_pages.set(snapshot["kv_pages_used"])
+            self.kv_pages_total.set(snapshot["kv_pages_total"])
+            self.evicted.set(snapshot["evicted_tokens"])
         return generate_latest(self.registry)
 
 

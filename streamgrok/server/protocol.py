@@ -81,16 +81,7 @@ def parse_text(raw: str) -> dict[str, Any]:
     Strict JSON only: NaN/Infinity, integers of more than 4300 digits and nesting deeper than
     Python's recursion limit are `bad_json`; ids must be strings or safe integers; text must be
     valid Unicode (no lone surrogates)."""
-    try:
-        message = json.loads(raw, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise ProtocolError("bad_json", f"malformed JSON: {exc.msg} at {exc.pos}") from exc
-    except RecursionError:
-        raise ProtocolError("bad_json", "JSON nested too deeply") from None
-    except ValueError as exc:  # non-finite constants, integers past the digit limit
-        raise ProtocolError("bad_json", f"malformed JSON: {exc}") from None
-    if not isinstance(message, dict):
-        raise ProtocolError("bad_message", "a message must be a JSON object")
+    message = strict_json_object(raw)
     message_id = message.get("id")
     if not _valid_id(message_id):
         raise ProtocolError("bad_field", "id must be a string of at most "
@@ -117,6 +108,22 @@ def parse_text(raw: str) -> dict[str, Any]:
                             message_id)
     if "options" in message and not isinstance(message["options"], dict | None):
         raise ProtocolError("bad_field", "options must be a JSON object", message_id)
+    return message
+
+
+def strict_json_object(raw: str | bytes) -> dict[str, Any]:
+    """A JSON object, strictly: NaN/Infinity, huge integers, over-deep nesting and
+    non-objects raise `ProtocolError` (bad_json / bad_message)."""
+    try:
+        message = json.loads(raw, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError("bad_json", f"malformed JSON: {exc.msg} at {exc.pos}") from exc
+    except RecursionError:
+        raise ProtocolError("bad_json", "JSON nested too deeply") from None
+    except ValueError as exc:  # non-finite constants, integers past the digit limit, UTF-8
+        raise ProtocolError("bad_json", f"malformed JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("bad_message", "a message must be a JSON object")
     return message
 
 
