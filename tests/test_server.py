@@ -463,3 +463,25 @@ async def test_questions_get_busy_while_the_engine_is_behind(tiny_loaded):
             assert done["query_id"] == "later"
     finally:
         await srv.stop()
+
+
+async def test_audio_at_another_sample_rate_is_resampled(server):
+    async with connect(url(server)) as ws:
+        await ws.send(json.dumps({"type": "audio.format", "rate": 48000}))
+        await start(ws)
+        await ws.send(json.dumps({"type": "audio.format", "rate": 100}))
+        error, _ = await recv_until(ws, "error")
+        assert error["code"] == "bad_audio" and "8000" in error["message"]
+        await ws.send(pack_media("audio.pcm16", 0, 0.0, np.zeros(48000, "<i2").tobytes()))
+        await ws.send(json.dumps({"type": "query", "id": "a", "text": "Heard anything?"}))
+        await recv_until(ws, "response.done")  # the session took 48 kHz audio and goes on
+    from streamgrok.media.pcm_resampler import PcmResampler
+
+    tone = (np.sin(2 * np.pi * 440 * np.arange(48000) / 48000) * 8000).astype("<i2")
+    resampler = PcmResampler(48000)
+    chunks = [resampler.push(tone[i:i + 4800].tobytes()) for i in range(0, 48000, 4800)]
+    samples = np.concatenate([c.samples for c in chunks])
+    assert chunks[-1].pts == pytest.approx(0.9) and chunks[-1].rate == 16000
+    assert abs(samples.size - 16000) < 64  # one second at 16 kHz (less the filter delay)
+    spectrum = np.abs(np.fft.rfft(samples[1000:15000]))
+    assert abs(np.argmax(spectrum) * 16000 / 14000 - 440) < 3  # the same tone

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.media.container_process import ContainerProcess
-from streamgrok.media.decode import container_kind, pcm16_chunk
+from streamgrok.media.decode import AUDIO_RATE, container_kind
+from streamgrok.media.pcm_resampler import PcmResampler
 from streamgrok.media.items import AudioChunk, VideoFrame
 from streamgrok.media.native_pool import MediaWorkerError
 from streamgrok.pipeline.events import (
@@ -50,6 +51,7 @@ class ClientConnection:
         self.queries_asked = 0
         self.frame_index = 0
         self.media_times: deque[float] = deque()
+        self.audio_resampler = PcmResampler(AUDIO_RATE)  # `audio.format` sets another rate
         self.rate_limited = 0  # media messages dropped over the per-second limit
         self.rate_limit_reported = float("-inf")
         self.listeners: dict[Any, Callable[[PipelineEvent], None]] = {}  # query id -> HTTP
@@ -127,6 +129,12 @@ class ClientConnection:
         if kind == "session.start":
             await self._start(message)
             return
+        if kind == "audio.format":  # the rate of the audio.pcm16 messages that follow
+            try:
+                self.audio_resampler = PcmResampler(message["rate"])
+            except ValueError as exc:
+                raise ProtocolError("bad_audio", str(exc), message.get("id")) from exc
+            return
         if self.runner is None:
             raise ProtocolError("no_session", f"{kind} before session.start", message.get("id"))
         if kind == "input.text":
@@ -147,11 +155,20 @@ class ClientConnection:
     async def _start(self, message: dict) -> None:
         if self.runner is not None:
             raise ProtocolError("session_exists", "session.start sent twice", message.get("id"))
+        self.open_session(message.get("options"), message.get("id"))
+        self.tasks.append(asyncio.create_task(self._stats_loop()))
+        self.send("session.started", session_id=self.runner.session.id,
+                  pipeline=self.runner.pipeline.name, model=self.server.loaded.source.name,
+                  id=message.get("id"))
+
+    def open_session(self, options: dict | None, message_id: Any = None) -> None:
+        """Start this client's pipeline on a new engine session (refused `busy` when the
+        server has no room; nothing is kept when the pipeline refuses to start)."""
         refused = self.server.admission()
         if refused:
             self.server.metrics.refused.inc()
-            raise ProtocolError("busy", refused, message.get("id"))
-        pipeline = self.server.session_pipeline(message.get("options"))
+            raise ProtocolError("busy", refused, message_id)
+        pipeline = self.server.session_pipeline(options)
         runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)],
                                 resources=self.server.resources)
         runner.start()  # may refuse (e.g. a system prompt over the KV budget): nothing kept
@@ -163,9 +180,6 @@ class ClientConnection:
         running = asyncio.create_task(self.runner.run_items(items))
         running.add_done_callback(self._pipeline_ended)
         self.tasks.append(running)
-        self.tasks.append(asyncio.create_task(self._stats_loop()))
-        self.send("session.started", session_id=self.runner.session.id, pipeline=pipeline.name,
-                  model=self.server.loaded.source.name, id=message.get("id"))
 
     def _pipeline_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
@@ -244,7 +258,7 @@ class ClientConnection:
             await self.video_in.put(frame)  # live: drops the oldest (counted by the ingest)
         elif media.kind == "audio.pcm16":
             try:
-                chunk: AudioChunk = pcm16_chunk(media.payload, media.timestamp)
+                chunk: AudioChunk = self.audio_resampler.push(media.payload, media.timestamp)
             except ValueError as exc:
                 raise ProtocolError("bad_audio", str(exc)) from exc
             await self.audio_in.put(chunk)

@@ -2,7 +2,7 @@
 
 Binary media message = 11-byte little-endian header + payload:
     kind (uint8): 1 = video frame (JPEG/PNG), 2 = video container chunk (fragmented MP4/WebM),
-                  3 = audio (PCM16 mono 16 kHz)
+                  3 = audio (PCM16 mono, 16 kHz unless an `audio.format` message set another rate)
     stream (uint16): the client's stream id
     timestamp (float64): seconds on the client's stream clock
 """
@@ -25,6 +25,7 @@ CLIENT_TYPES = {
     "query": ("text",),
     "response.cancel": ("query_id",),
     "session.end": (),
+    "audio.format": ("rate",),
 }
 
 
@@ -45,7 +46,7 @@ ERROR_CODES = {
     "bad_media": "a bad binary header, a container stream that is not fragmented MP4/WebM, or "
                  "media the decoder or a media worker could not process",
     "bad_image": "a frame that is not a JPEG/PNG within the size limits",
-    "bad_audio": "audio that is not PCM16 mono 16 kHz",
+    "bad_audio": "audio that is not PCM16 mono, or an audio.format rate outside 8-192 kHz",
     "rate_limited": "media over the per-second limit: dropped (one error a second at most)",
     "busy": "the server has no room for another session",
     "bad_request": "a well-formed request the session cannot serve as asked (the message "

@@ -1,4 +1,4 @@
-// streamgrok browser assistant: camera frames (JPEG) and microphone (PCM16 16 kHz) over the
+// streamgrok browser assistant: camera frames (JPEG) and microphone (PCM16 at the device's rate) over the
 // websocket protocol v1 (docs/PROTOCOL.md); questions and streamed answers; live KV panel.
 "use strict";
 
@@ -8,6 +8,7 @@ const token = new URLSearchParams(location.search).get("token");
 const wsUrl = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}/ws` +
   (token ? `?token=${encodeURIComponent(token)}` : "");
 let ws, started = false, t0 = performance.now(), queryCount = 0, frameTimer = null;
+let audioRate = 0; // the microphone's sample rate once audio runs (told to the server)
 
 function streamTime() { return (performance.now() - t0) / 1000; }
 
@@ -28,6 +29,7 @@ function connect() {
   ws.onopen = () => {
     $("status").textContent = "connected";
     ws.send(JSON.stringify({ type: "session.start", id: "start" }));
+    if (audioRate) ws.send(JSON.stringify({ type: "audio.format", rate: audioRate }));
   };
   ws.onclose = () => { $("status").textContent = "disconnected"; started = false; };
   ws.onmessage = (msg) => handle(JSON.parse(msg.data));
@@ -134,7 +136,13 @@ async function startMedia() {
 }
 
 async function startAudio(stream) {
-  const ac = new AudioContext({ sampleRate: 16000 });
+  // the device's own rate (Firefox refuses a 16 kHz context on a 48 kHz microphone): the
+  // server resamples
+  const ac = new AudioContext();
+  audioRate = ac.sampleRate;
+  if (ws && ws.readyState === WebSocket.OPEN) {
+    ws.send(JSON.stringify({ type: "audio.format", rate: audioRate }));
+  }
   const worklet = `class Tap extends AudioWorkletProcessor {
     constructor() { super(); this.buf = []; this.n = 0; }
     process(inputs) {
