@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.media.container_process import ContainerProcess
 from streamgrok.media.decode import AUDIO_RATE, container_kind
-from streamgrok.media.pcm_resampler import PcmResampler
 from streamgrok.media.items import AudioChunk, VideoFrame
 from streamgrok.media.native_pool import MediaWorkerError
+from streamgrok.media.pcm_resampler import PcmResampler
 from streamgrok.pipeline.events import (
     DeltaEvent,
     DoneEvent,
