@@ -118,10 +118,12 @@ class PipelineRunner:
                                  self.pipeline.video_stages, speech_model,
                                  shared.degradation if shared else None)
 
-    def ask(self, question: str, kind: str = "answer", query_id: Any = None) -> Answer:
+    def ask(self, question: str, kind: str = "answer", query_id: Any = None,
+            max_tokens: int | None = None) -> Answer:
         """Ask the session now (a client's query); the answer streams to the sinks as
-        typed events tagged with `query_id`."""
-        return self._ask(question, kind, query_id=query_id)
+        typed events tagged with `query_id`. `max_tokens` caps this answer below the
+        pipeline's own limit."""
+        return self._ask(question, kind, query_id=query_id, max_tokens=max_tokens)
 
     def _fire(self, question: str, kind: str, pts: float | None = None) -> None:
         """A trigger's question: one the session refuses becomes an error event, and the
@@ -210,9 +212,11 @@ class PipelineRunner:
                 self._fire(question, trigger.kind)
 
     def _ask(self, question: str, kind: str, pts: float | None = None,
-             query_id: Any = None) -> Answer:
+             query_id: Any = None, max_tokens: int | None = None) -> Answer:
+        sampling = self.pipeline.sampling
+        if max_tokens is not None:
+            sampling = replace(sampling, max_tokens=min(max_tokens, sampling.max_tokens))
         if self.pipeline.grounded:  # the notes travel with the question, not into the context
-            sampling = self.pipeline.sampling
             one_line = replace(sampling, stop_token_ids=sampling.stop_token_ids
                                | self.engine.tokenizer.line_break_ids())
             tokenizer = self.engine.tokenizer
@@ -220,7 +224,7 @@ class PipelineRunner:
                                      lambda text: len(tokenizer.encode(text)))
             answer = self.session.ask(prompt, one_line, remember=False)
         else:
-            answer = self.session.ask(question, self.pipeline.sampling)
+            answer = self.session.ask(question, sampling)
         when = self.stats.stream_time if pts is None else pts
         self._answers.append(asyncio.create_task(
             self._stream_answer(answer, question, kind, when, query_id)))

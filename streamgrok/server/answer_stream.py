@@ -118,7 +118,8 @@ class LiveAnswer(AnswerStream):
         # one event per token at most, plus the last: bounded by the answer's length
         self.events: asyncio.Queue[PipelineEvent] = asyncio.Queue(maxsize=max_tokens + 8)
         try:
-            self.query_id = connection.ask(question, query_id, self.events.put_nowait)
+            self.query_id = connection.ask(question, query_id, self.events.put_nowait,
+                                           max_tokens)
         except ProtocolError as exc:
             raise ApiError(REFUSALS.get(exc.code, 400), str(exc),
                            "rate_limit_error" if exc.code in ("busy", "too_many_queries")

@@ -274,9 +274,9 @@ class StreamgrokServer:
     def port(self) -> int:
         return self._socket.getsockname()[1] if self._socket is not None else self.config.port
 
-    async def serve_websocket(self, ws) -> None:
-        """One protocol-v1 client on an accepted websocket (see `http_app`)."""
-        connection = ClientConnection(self, ws)
+    async def serve_websocket(self, ws, kind: type[ClientConnection] = ClientConnection) -> None:
+        """One client on an accepted websocket: protocol v1, or `kind` (Realtime)."""
+        connection = kind(self, ws)
         self.connections.add(connection)
         try:
             await connection.serve()

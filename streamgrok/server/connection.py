@@ -194,7 +194,8 @@ class ClientConnection:
         self.ask(message["text"], message.get("id"))
 
     def ask(self, text: str, query_id: Any = None,
-            listener: Callable[[PipelineEvent], None] | None = None) -> Any:
+            listener: Callable[[PipelineEvent], None] | None = None,
+            max_tokens: int | None = None) -> Any:
         """Ask this session's pipeline (grounded in what it saw and heard); the answer streams
         to the client and, when given, to `listener` too (an HTTP request about this live
         session). Returns the query id; raises `ProtocolError` when refused."""
@@ -214,7 +215,8 @@ class ClientConnection:
         if listener is not None:
             self.listeners[query_id] = listener
         try:
-            self.answers[query_id] = self.runner.ask(text, query_id=query_id)
+            self.answers[query_id] = self.runner.ask(text, query_id=query_id,
+                                                     max_tokens=max_tokens)
         except Exception:
             self.listeners.pop(query_id, None)
             raise
@@ -298,12 +300,7 @@ class ClientConnection:
     async def deliver(self, item: PipelineEvent) -> None:
         """The pipeline's sink: typed pipeline events become protocol messages. A trigger's
         answer streams with query_id `auto-N`."""
-        if isinstance(item, DeltaEvent | DoneEvent | ErrorEvent) and item.answer_id is not None:
-            listener = self.listeners.get(_query_id(item))
-            if listener is not None:
-                if not isinstance(item, DeltaEvent):
-                    del self.listeners[_query_id(item)]
-                listener(item)
+        self.to_listener(item)
         match item:
             case QuestionEvent(query_id=None):  # a trigger asked: tell the client
                 self.send("event", kind=item.purpose, text=item.text, t=item.pts,
@@ -313,9 +310,7 @@ class ClientConnection:
             case DeltaEvent():
                 self.send("response.delta", query_id=_query_id(item), delta=item.text)
             case DoneEvent():
-                self.server.metrics.observe_answer(item.metrics)
-                if item.metrics.get("ttft_ms") is not None:
-                    self.server.governor.record_ttft(item.metrics["ttft_ms"] / 1e3)
+                self.record_answer(item)
                 self.send("response.done", query_id=_query_id(item), text=item.text,
                           **item.metrics)
             case ErrorEvent(answer_id=int()):  # that answer failed, nothing else
@@ -329,6 +324,21 @@ class ClientConnection:
                 self.send("event", kind="note", text=item.text, t=item.pts, tags=item.tags)
             case Event():
                 self.send("event", kind=item.kind, text=item.text, t=item.pts, **item.data)
+
+    def to_listener(self, item: PipelineEvent) -> None:
+        """An answer's events also go to the listener that asked it (HTTP, Realtime)."""
+        if isinstance(item, DeltaEvent | DoneEvent | ErrorEvent) and item.answer_id is not None:
+            listener = self.listeners.get(_query_id(item))
+            if listener is not None:
+                if not isinstance(item, DeltaEvent):
+                    del self.listeners[_query_id(item)]
+                listener(item)
+
+    def record_answer(self, item: DoneEvent) -> None:
+        """A finished answer's latency and tokens go to the metrics and the load governor."""
+        self.server.metrics.observe_answer(item.metrics)
+        if item.metrics.get("ttft_ms") is not None:
+            self.server.governor.record_ttft(item.metrics["ttft_ms"] / 1e3)
 
     def _queue(self, kind: str, text: str) -> None:
         if self.closed:

@@ -14,6 +14,7 @@ from starlette.websockets import WebSocket
 import streamgrok
 from streamgrok.server.asgi_socket import AsgiSocket
 from streamgrok.server.openai_api import OpenAIApi
+from streamgrok.server.realtime import RealtimeConnection
 
 if TYPE_CHECKING:
     from streamgrok.server.app import StreamgrokServer
@@ -58,6 +59,11 @@ def build_app(server: StreamgrokServer) -> Starlette:
             await websocket.accept()
             await server.serve_websocket(AsgiSocket(websocket))
 
+    async def realtime(websocket: WebSocket) -> None:
+        if await websocket_gate(websocket):
+            await websocket.accept()
+            await server.serve_websocket(AsgiSocket(websocket), RealtimeConnection)
+
     async def health(request: Request) -> Response:
         if not server.ready:
             return JSONResponse({"status": "loading"}, 503)
@@ -95,6 +101,7 @@ def build_app(server: StreamgrokServer) -> Starlette:
 
     routes = [
         WebSocketRoute("/ws", protocol_v1),
+        WebSocketRoute("/v1/realtime", realtime),
         Route("/health", health),
         Route("/version", version),
         Route("/metrics", metrics),

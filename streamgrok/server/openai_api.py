@@ -174,7 +174,7 @@ class OpenAIApi:
                                "websocket's session.started)", param="metadata.session",
                                code="session_not_found")
             return LiveAnswer(connection, prompt, f"http-{next(self._ids)}",
-                              connection.runner.pipeline.sampling.max_tokens, request.stops)
+                              request.sampling.max_tokens, request.stops)
         refused = self.server.question_admission(request.sampling.max_tokens)
         if refused:
             self.server.metrics.refused_questions.inc()
