@@ -13,11 +13,11 @@ from helpers import random_model, tiny_config, write_gguf
 from openai import AsyncOpenAI
 from openai.types.realtime.realtime_server_event import RealtimeServerEvent
 from pydantic import TypeAdapter
+from test_openai_api import data_url
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.model.loader import load_model
 from streamgrok.server.app import ServerConfig, StreamgrokServer
-from test_openai_api import data_url
 
 PIPELINE = "pipelines/live_qa.py"
 SCHEMA = TypeAdapter(RealtimeServerEvent)
