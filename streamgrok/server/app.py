@@ -4,6 +4,7 @@ demo page and /metrics on one port (Starlette on uvicorn)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import os
@@ -11,6 +12,7 @@ import signal
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +20,8 @@ import uvicorn
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine
+from streamgrok.engine.config import EngineConfig
+from streamgrok.errors import StreamgrokError
 from streamgrok.media.native_pool import NativeMediaPool
 from streamgrok.model.loader import LoadedModel
 from streamgrok.pipeline.loader import load_pipeline
@@ -97,8 +101,9 @@ class StreamgrokServer:
     `await load(model)` when it is."""
 
     def __init__(self, loaded: LoadedModel | None, config: ServerConfig,
-                 cache: CacheConfig | None = None) -> None:
+                 cache: CacheConfig | None = None, engine: EngineConfig | None = None) -> None:
         self.config = config
+        self.engine_config = engine
         self.loaded: LoadedModel | None = None
         self.resources = SharedResources(NativeMediaPool(config.media_workers))
         self.cache_config = cache or CacheConfig()
@@ -156,7 +161,13 @@ class StreamgrokServer:
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.config.host, self.config.port))
+        try:
+            sock.bind((self.config.host, self.config.port))
+        except OSError as exc:
+            sock.close()
+            reason = "is in use" if exc.errno == errno.EADDRINUSE else f"failed: {exc.strerror}"
+            raise StreamgrokError(f"cannot listen on {self.config.host}:{self.config.port}: "
+                                  f"the port {reason}") from None
         sock.listen(128)
         sock.setblocking(False)
         self._socket = sock
@@ -183,7 +194,7 @@ class StreamgrokServer:
         self._start_engine()
 
     def _start_engine(self) -> None:
-        self.engine = Engine(self.loaded, self.cache_config)
+        self.engine = Engine(self.loaded, self.cache_config, self.engine_config)
         self.engine.start()
         if self.config.load_tick_s is not None:
             self._governing = asyncio.create_task(self._govern())
@@ -309,10 +320,12 @@ class StreamgrokServer:
         await self.stop()
 
 
-async def serve_forever(load, config: ServerConfig, cache: CacheConfig | None = None) -> None:
+async def serve_forever(load: Callable[[], LoadedModel], config: ServerConfig,
+                        cache: CacheConfig | None = None,
+                        engine: EngineConfig | None = None) -> None:
     """Listen at once (`/health` is 503 while `load()` loads the model in a thread, 200
     after), then run until SIGTERM or SIGINT, then drain (see `StreamgrokServer.drain`)."""
-    server = StreamgrokServer(None, config, cache)
+    server = StreamgrokServer(None, config, cache, engine)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -167,6 +167,7 @@ class ClientConnection:
         refused = self.server.admission()
         if refused:
             self.server.metrics.refused.inc()
+            log.warning("session refused: %s", refused, extra={"event": "session.refused"})
             raise ProtocolError("busy", refused, message_id)
         pipeline = self.server.session_pipeline(options)
         runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)],
@@ -180,6 +181,9 @@ class ClientConnection:
         running = asyncio.create_task(self.runner.run_items(items))
         running.add_done_callback(self._pipeline_ended)
         self.tasks.append(running)
+        log.info("session %s started (%s, pipeline %s)", runner.session.id,
+                 type(self).__name__, pipeline.name,
+                 extra={"event": "session.started", "session": runner.session.id})
 
     def _pipeline_ended(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
@@ -433,12 +437,17 @@ class ClientConnection:
         if self.runner is None:
             return
         runner, self.runner = self.runner, None
+        drops = self.drops(runner)
+        log.info("session %s ended: %d frames received, %d answers, drops %s",
+                 runner.session.id, self.frame_index, self.queries_asked,
+                 {k: v for k, v in drops.items() if v},
+                 extra={"event": "session.ended", "session": runner.session.id})
         for query_id, listener in list(self.listeners.items()):
             listener(ErrorEvent("the live session ended", runner.stats.stream_time,
                                 stage="answer", answer_id=0, query_id=query_id))
         self.listeners.clear()
         # its drops and frames move to the server's totals at once; a next session starts at 0
-        self.server.session_ended(self.drops(runner), self.frame_index)
+        self.server.session_ended(drops, self.frame_index)
         self.rate_limited = self.dropped_outbound = self.frame_index = 0
         if self.container is not None:
             await self.container.stop()

@@ -1,0 +1,1 @@
+"""The sample pipelines shipped with streamgrok (`streamgrok serve live_qa`)."""
