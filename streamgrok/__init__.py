@@ -46,7 +46,13 @@ EXPORTS = {
     "ServerConfig": "streamgrok.server.app",
     "StreamgrokServer": "streamgrok.server.app",
 }
-__all__ = ["__version__", *EXPORTS]
+__all__ = [
+    "__version__", "load_model", "LoadedModel", "SamplingParams", "Engine", "EngineConfig",
+    "Session", "Answer", "CacheConfig", "Pipeline", "PipelineRunner", "IngestConfig", "Stage",
+    "Edge", "Event", "Trigger", "At", "Every", "OnNote", "ClientOption", "option",
+    "frame_encoders", "run_chain", "load_pipeline", "Note", "VideoFrame", "AudioChunk",
+    "FrameTokens", "StreamgrokError", "ServerConfig", "StreamgrokServer",
+]
 
 
 def __getattr__(name: str) -> Any:

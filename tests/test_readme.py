@@ -40,3 +40,11 @@ async def test_the_pipeline_example_loads_and_its_stage_works(tmp_path):
     items, events = await run_chain(pipeline.stages, [Note("scene cut: a different scene",
                                                            3.0, tags={"cut"})])
     assert [n.text for n in items] == ["SCENE CUT: a different scene"] and not events
+
+
+def test_the_top_level_exports_resolve():
+    import streamgrok
+
+    assert set(streamgrok.__all__) == {"__version__", *streamgrok.EXPORTS}
+    for name in streamgrok.EXPORTS:
+        assert getattr(streamgrok, name).__name__ == name
