@@ -205,9 +205,22 @@ async def test_metrics_and_page(server):
     assert status == 200
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = {f.name for f in text_string_to_metric_families(text)}
-    assert {"streamgrok_ttft_seconds", "streamgrok_kv_pages_in_use",
-            "streamgrok_active_sessions", "streamgrok_generated_tokens"} <= names
+    families = list(text_string_to_metric_families(text))
+    names = {f.name for f in families}
+    assert {"streamgrok_ttft_seconds", "streamgrok_kv_pages_in_use", "streamgrok_kv_usage_ratio",
+            "streamgrok_active_sessions", "streamgrok_generated_tokens",
+            "streamgrok_engine_dropped", "streamgrok_build_info"} <= names
+    for family in families:  # the Prometheus naming conventions
+        for sample in family.samples:
+            assert not sample.name.endswith("_created"), sample.name
+            if family.type == "counter":
+                assert sample.name.endswith("_total"), sample.name
+            if family.type == "gauge":
+                assert not sample.name.endswith("_total"), sample.name
+    assert 'streamgrok_ttft_seconds_bucket{le="60.0",model="tiny"}' in text
+    assert 'streamgrok_build_info{version="' in text and 'model="tiny"' in text
+    ratio = next(f for f in families if f.name == "streamgrok_kv_usage_ratio").samples[0]
+    assert 0 <= ratio.value <= 1
     status, page = await asyncio.to_thread(fetch, server, "/")
     assert status == 200 and "<html" in page.lower()
 

@@ -107,7 +107,9 @@ class StreamgrokServer:
         self.loaded: LoadedModel | None = None
         self.resources = SharedResources(NativeMediaPool(config.media_workers))
         self.cache_config = cache or CacheConfig()
-        self.metrics = ServerMetrics(self.drops)
+        self.metrics = ServerMetrics(
+            self.drops, lambda: self.engine.snapshot() if self.engine is not None else None,
+            lambda: self.model_name)
         self.governor = LoadGovernor(self.resources.degradation, config.load_limits)
         self.cpu = CpuMeter()
         self._governing: asyncio.Task | None = None

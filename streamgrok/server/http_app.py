@@ -78,8 +78,7 @@ def build_app(server: StreamgrokServer) -> Starlette:
     async def metrics(request: Request) -> Response:
         if (denied := refused(request)) is not None:
             return denied
-        snapshot = server.engine.snapshot() if server.engine is not None else None
-        return Response(server.metrics.render(snapshot),
+        return Response(server.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def static(request: Request) -> Response:

@@ -1,32 +1,41 @@
-"""Prometheus metrics on a registry owned by one server (no module-global state)."""
+"""Prometheus metrics on a registry owned by one server (no module-global state).
+
+Names follow the Prometheus conventions: units in the name (`_seconds`, `_tokens`), counters
+end in `_total` and only grow, gauges never end in `_total`; no `_created` series."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 2, 5, 10)
+from streamgrok import __version__
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 2, 5, 10, 20, 30, 60, 120)
 
 
 class ServerMetrics:
-    """TTFT/TBT histograms, token/error/drop counters, session and KV gauges."""
+    """TTFT/TBT histograms, token/error/drop counters, session and KV gauges, build info."""
 
-    def __init__(self, drops: Callable[[], dict[str, int]] = dict) -> None:
+    def __init__(self, drops: Callable[[], dict[str, int]] = dict,
+                 snapshot: Callable[[], dict | None] = lambda: None,
+                 model: Callable[[], str] = lambda: "") -> None:
         self.registry = CollectorRegistry()
+        self.model = model
         r = self.registry
-        self.ttft = Histogram("streamgrok_ttft_seconds", "Time to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.tbt = Histogram("streamgrok_tbt_seconds", "Time between tokens", registry=r,
-                             buckets=LATENCY_BUCKETS)
-        self.tokens = Counter("streamgrok_generated_tokens", "Tokens generated", registry=r)
-        self.answers = Counter("streamgrok_answers", "Answers finished", ["reason"], registry=r)
-        self.errors = Counter("streamgrok_errors", "Error events sent", ["code"], registry=r)
-        r.register(_DropsCollector(drops))
-        self.degraded = Gauge("streamgrok_live_fps_scale", "Live sampling rate over the "
-                              "requested one (1 = not degraded)", registry=r)
+        labels = ["model"]
+        self.ttft = Histogram("streamgrok_ttft_seconds", "Time to first token", labels,
+                              registry=r, buckets=LATENCY_BUCKETS)
+        self.tbt = Histogram("streamgrok_tbt_seconds", "Time between tokens", labels,
+                             registry=r, buckets=LATENCY_BUCKETS)
+        self.tokens = Counter("streamgrok_generated_tokens", "Tokens generated", labels,
+                              registry=r)
+        self.answers = Counter("streamgrok_answers", "Answers finished, by finish reason",
+                               ["model", "reason"], registry=r)
+        self.errors = Counter("streamgrok_errors", "Error events sent, by code", ["code"],
+                              registry=r)
         self.refused = Counter("streamgrok_sessions_refused", "Sessions refused busy",
                                registry=r)
         self.refused_questions = Counter("streamgrok_questions_refused",
@@ -34,28 +43,28 @@ class ServerMetrics:
                                          registry=r)
         self.outbound_dropped = Counter("streamgrok_outbound_dropped",
                                         "Messages dropped for slow clients", registry=r)
-        self.sessions = Gauge("streamgrok_active_sessions", "Client sessions", registry=r)
-        self.kv_pages = Gauge("streamgrok_kv_pages_in_use", "KV pages in use", registry=r)
-        self.kv_pages_total = Gauge("streamgrok_kv_pages_total", "KV pages in the pool",
-                                    registry=r)
-        self.evicted = Gauge("streamgrok_evicted_tokens", "Tokens evicted so far", registry=r)
+        self.degraded = Gauge("streamgrok_live_fps_scale", "Live sampling rate over the "
+                              "requested one (1 = not degraded)", registry=r)
+        self.sessions = Gauge("streamgrok_active_sessions", "Live client sessions", registry=r)
+        self.build = Info("streamgrok_build", "streamgrok version", registry=r)
+        self.build.info({"version": __version__})
+        r.register(_DropsCollector(drops))
+        r.register(_EngineCollector(snapshot, model))
 
     def observe_answer(self, metrics: dict) -> None:
+        model = self.model()
         if metrics.get("ttft_ms") is not None:
-            self.ttft.observe(metrics["ttft_ms"] / 1e3)
+            self.ttft.labels(model).observe(metrics["ttft_ms"] / 1e3)
         for gap_ms in metrics.get("tbt_ms", []):
-            self.tbt.observe(gap_ms / 1e3)
-        self.tokens.inc(metrics.get("tokens") or 0)
-        self.answers.labels(metrics.get("finish_reason") or "unknown").inc()
+            self.tbt.labels(model).observe(gap_ms / 1e3)
+        self.tokens.labels(model).inc(metrics.get("tokens") or 0)
+        self.answers.labels(model, metrics.get("finish_reason") or "unknown").inc()
 
-    def render(self, snapshot: dict | None) -> bytes:
-        """Prometheus text exposition, with gauges refreshed from the engine snapshot (None
-        while the model loads)."""
-        if snapshot is not None:
-            self.kv_pages.set(snapshot["kv_pages_used"])
-            self.kv_pages_total.set(snapshot["kv_pages_total"])
-            self.evicted.set(snapshot["evicted_tokens"])
-        return generate_latest(self.registry)
+    def render(self) -> bytes:
+        """The Prometheus text exposition, without `_created` series."""
+        text = generate_latest(self.registry)
+        return b"".join(line for line in text.splitlines(keepends=True)
+                        if b"_created" not in line.split(b" ", 1)[0])
 
 
 class _DropsCollector(Collector):
@@ -71,3 +80,44 @@ class _DropsCollector(Collector):
         for reason, count in sorted(self.drops().items()):
             family.add_metric([reason], count)
         yield family
+
+
+class _EngineCollector(Collector):
+    """The engine's numbers, read from its published snapshot when scraped."""
+
+    def __init__(self, snapshot: Callable[[], dict | None], model: Callable[[], str]) -> None:
+        self.snapshot = snapshot
+        self.model = model
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        snap = self.snapshot()
+        model = self.model()
+        info = GaugeMetricFamily("streamgrok_model_info", "The served model (value 1)",
+                                 labels=["model"])
+        info.add_metric([model], 1 if snap is not None else 0)
+        yield info
+        if snap is None:  # the model is loading
+            return
+        used, total = snap["kv_pages_used"], snap["kv_pages_total"]
+        yield GaugeMetricFamily("streamgrok_kv_pages_in_use", "KV pages in use", value=used)
+        yield GaugeMetricFamily("streamgrok_kv_pages_capacity", "KV pages in the pool",
+                                value=total)
+        yield GaugeMetricFamily("streamgrok_kv_usage_ratio", "KV pages in use over the pool",
+                                value=used / total if total else 0.0)
+        yield GaugeMetricFamily("streamgrok_kv_used_bytes", "KV bytes in use",
+                                value=snap["kv_bytes_used"])
+        yield CounterMetricFamily("streamgrok_evicted_tokens", "Tokens evicted from the KV cache",
+                                  value=snap["evicted_tokens"])
+        yield CounterMetricFamily("streamgrok_prefill_tokens", "Tokens prefilled",
+                                  value=snap["prefill_tokens"])
+        yield CounterMetricFamily("streamgrok_decode_tokens", "Tokens decoded",
+                                  value=snap["decode_tokens"])
+        yield CounterMetricFamily("streamgrok_engine_steps", "Engine steps", value=snap["steps"])
+        dropped = CounterMetricFamily("streamgrok_engine_dropped",
+                                      "Items the engine dropped from session queues, by reason",
+                                      labels=["reason"])
+        for reason, count in sorted(snap["dropped"].items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+        yield GaugeMetricFamily("streamgrok_engine_sessions", "Engine sessions (live and "
+                                "one-shot HTTP requests)", value=snap["sessions"])
