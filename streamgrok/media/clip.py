@@ -38,7 +38,11 @@ class ClipEncoder:
         allow_random: bool = False,
     ) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        import open_clip
+        try:
+            import open_clip
+        except ImportError:
+            raise StreamgrokError("CLIP frame tokens need open_clip: pip install "
+                                  "'streamgrok[clip]'") from None
 
         if model_name not in open_clip.list_models():
             raise StreamgrokError(f"unknown CLIP model {model_name!r}")
