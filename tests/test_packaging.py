@@ -1,0 +1,64 @@
+"""The wheel: what `pip install` gets must serve without the checkout (page, sample
+pipelines, license, typing marker, the console script)."""
+
+from __future__ import annotations
+
+import email
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", str(ROOT), "-w", str(out)], check=True,
+                   capture_output=True, timeout=600)
+    return next(out.glob("streamgrok-*.whl"))
+
+
+def test_the_wheel_carries_the_page_the_pipelines_and_the_metadata(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        info = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = email.message_from_bytes(archive.read(info))
+        entry_points = archive.read(info.replace("METADATA", "entry_points.txt")).decode()
+    for shipped in ("streamgrok/server/static/index.html", "streamgrok/server/static/"
+                    "assistant.js", "streamgrok/pipelines/live_qa.py",
+                    "streamgrok/pipelines/alert.py", "streamgrok/py.typed", "kernels/ops.py"):
+        assert shipped in names, shipped
+    assert any(n.endswith("licenses/LICENSE") for n in names)
+    assert metadata["License-Expression"] == "Apache-2.0"
+    requires = metadata.get_all("Requires-Dist")
+    assert any(r.startswith("uvloop") and "sys_platform" in r for r in requires)
+    assert not any("==" in r.split(";")[0] for r in requires), "ranges, not pins"
+    assert set(metadata.get_all("Provides-Extra")) >= {"clip", "bench", "dev"}
+    assert "streamgrok = streamgrok.cli:main" in entry_points
+
+
+def test_the_installed_package_finds_its_files_without_the_checkout(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True, timeout=300)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    probe = (
+        "from streamgrok.cli import resolve_pipeline\n"
+        "from streamgrok.server.app import STATIC_DIR\n"
+        "from streamgrok.pipeline.loader import load_pipeline\n"
+        "path = resolve_pipeline('live_qa')\n"
+        "assert path.startswith(%r), path\n"
+        "assert str(STATIC_DIR).startswith(%r) and (STATIC_DIR / 'index.html').is_file()\n"
+        "pipeline = load_pipeline(path, {'hidden_size': 64, 'transcribe': 'false'})\n"
+        "print(pipeline.name)\n" % (str(target), str(target)))
+    result = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, capture_output=True,
+                            text=True, timeout=300, env={"PYTHONPATH": str(target),
+                                                         "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "live_qa"
