@@ -48,15 +48,17 @@ def test_the_installed_package_finds_its_files_without_the_checkout(wheel, tmp_p
                     str(target), str(wheel)], check=True, capture_output=True, timeout=300)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    probe = (
-        "from streamgrok.cli import resolve_pipeline\n"
-        "from streamgrok.server.app import STATIC_DIR\n"
-        "from streamgrok.pipeline.loader import load_pipeline\n"
-        "path = resolve_pipeline('live_qa')\n"
-        "assert path.startswith(%r), path\n"
-        "assert str(STATIC_DIR).startswith(%r) and (STATIC_DIR / 'index.html').is_file()\n"
-        "pipeline = load_pipeline(path, {'hidden_size': 64, 'transcribe': 'false'})\n"
-        "print(pipeline.name)\n" % (str(target), str(target)))
+    probe = "\n".join([
+        "from streamgrok.cli import resolve_pipeline",
+        "from streamgrok.server.app import STATIC_DIR",
+        "from streamgrok.pipeline.loader import load_pipeline",
+        "path = resolve_pipeline('live_qa')",
+        f"assert path.startswith({str(target)!r}), path",
+        f"assert str(STATIC_DIR).startswith({str(target)!r})",
+        "assert (STATIC_DIR / 'index.html').is_file()",
+        "pipeline = load_pipeline(path, {'hidden_size': 64, 'transcribe': 'false'})",
+        "print(pipeline.name)",
+    ])
     result = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, capture_output=True,
                             text=True, timeout=300, env={"PYTHONPATH": str(target),
                                                          "PATH": "/usr/bin:/bin"})
