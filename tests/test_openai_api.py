@@ -247,3 +247,25 @@ def test_stop_strings_cut_the_same_however_the_text_is_split(text, stops, cuts):
     first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
     assert shown == text[:first]
     assert scanner.stopped == any(s in text for s in stops)
+
+
+async def test_an_allowed_browser_origin_may_call_the_api(tiny_loaded):
+    config = ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
+                          load_tick_s=None, allowed_origins=["http://app.example"])
+    srv = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512,
+                                                            memory_gib=0.05))
+    await srv.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}") as http:
+            preflight = await http.options("/v1/chat/completions", headers={
+                "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type"})
+            assert preflight.status_code == 200
+            assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+            models = await http.get("/v1/models", headers={"Origin": "http://app.example"})
+            assert models.status_code == 200
+            assert models.headers["access-control-allow-origin"] == "http://app.example"
+            other = await http.get("/v1/models", headers={"Origin": "http://other.example"})
+            assert other.status_code == 403
+    finally:
+        await srv.stop()

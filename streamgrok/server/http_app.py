@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -110,4 +112,9 @@ def build_app(server: StreamgrokServer) -> Starlette:
         Route("/", static),
         Route("/{name:path}", static),
     ]
-    return Starlette(routes=routes)
+    # browsers on an --allow-origin page may call the HTTP API too (their preflights included)
+    middleware = [Middleware(CORSMiddleware, allow_origins=sorted(
+        o.rstrip("/") for o in server.config.allowed_origins), allow_methods=["GET", "POST"],
+        allow_headers=["Authorization", "Content-Type", "X-Streamgrok-Session"])] \
+        if server.config.allowed_origins else []
+    return Starlette(routes=routes, middleware=middleware)
