@@ -140,6 +140,7 @@ async def test_an_image_in_the_content_reaches_the_model_as_what_the_observers_s
      400, "JPEG/PNG"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"presence_penalty": 1.0}, 400, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "word " * 2000}]}, 400, "KV budget"),
 ])
 async def test_bad_requests_get_openai_shaped_errors(server, change, status, fragment):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,

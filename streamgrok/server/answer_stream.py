@@ -78,7 +78,8 @@ class EngineAnswer(AnswerStream):
         try:
             self.answer: Answer = self.session.ask(prompt, sampling, raw=True, remember=False)
         except RequestTooLarge as exc:
-            asyncio.ensure_future(self.close())
+            session, self.session = self.session, None
+            asyncio.ensure_future(session.close())
             raise ApiError(400, str(exc), code="context_length_exceeded") from exc
         self.prompt_tokens = self.answer.metrics.prompt_tokens
 

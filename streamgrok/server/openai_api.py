@@ -66,7 +66,7 @@ class OpenAIApi:
             self._check_ready(chat.model)
             stream = await self._chat_answer(chat, request)
         except ApiError as exc:
-            return JSONResponse(exc.body(), exc.status)
+            return _refused(exc)
         request_id = new_id("chatcmpl")
         if chat.stream:
             return StreamingResponse(self._chat_events(request_id, chat, stream),
@@ -74,7 +74,7 @@ class OpenAIApi:
         try:
             text = await stream.text()
         except ApiError as exc:
-            return JSONResponse(exc.body(), exc.status)
+            return _refused(exc)
         self._observe(stream)
         return JSONResponse(chat_completion(request_id, self.server.model_name, text,
                                             _finish(stream), _usage(stream)))
@@ -86,7 +86,7 @@ class OpenAIApi:
             self._check_ready(completion.model)
             stream = self.answer(completion, completion.prompt, request, raw=True)
         except ApiError as exc:
-            return JSONResponse(exc.body(), exc.status)
+            return _refused(exc)
         request_id = new_id("cmpl")
         if completion.stream:
             return StreamingResponse(self._completion_events(request_id, completion, stream),
@@ -94,7 +94,7 @@ class OpenAIApi:
         try:
             text = await stream.text()
         except ApiError as exc:
-            return JSONResponse(exc.body(), exc.status)
+            return _refused(exc)
         self._observe(stream)
         return JSONResponse(text_completion(request_id, self.server.model_name, text,
                                             _finish(stream), _usage(stream)))
@@ -222,6 +222,20 @@ class OpenAIApi:
     def _observe(self, stream: AnswerStream) -> None:
         if isinstance(stream, EngineAnswer) and stream.metrics:  # live ones are counted there
             self.server.metrics.observe_answer(stream.metrics)
+        log.info("HTTP answer: %d prompt + %d completion tokens, %s, TTFT %s ms%s",
+                 stream.prompt_tokens, stream.completion_tokens, stream.finish_reason,
+                 stream.metrics.get("ttft_ms"),
+                 " (live session)" if isinstance(stream, LiveAnswer) else "",
+                 extra={"event": "http.answer", "prompt_tokens": stream.prompt_tokens,
+                        "completion_tokens": stream.completion_tokens})
+
+
+def _refused(exc: ApiError) -> JSONResponse:
+    """The error response, logged once (warning for refusals under load, info otherwise)."""
+    level = logging.WARNING if exc.status in (429, 503) else logging.INFO
+    log.log(level, "HTTP %d %s: %s", exc.status, exc.code or exc.kind, exc,
+            extra={"event": "http.refused", "status": exc.status})
+    return JSONResponse(exc.body(), exc.status)
 
 
 def _sse(body: dict) -> str:
