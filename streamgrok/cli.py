@@ -30,6 +30,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="torch threads (default: all cores)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                         help="attention/norm kernels: auto = Triton on CUDA, PyTorch on CPU")
+    parser.add_argument("--weights", default="auto", choices=("auto", "f32", "bf16", "q8", "q4"),
+                        help="how the projections and output head are stored: auto (in "
+                             "--dtype), f32, bf16, or weight-only int8 (q8) / int4 (q4) for "
+                             "fast CPU decode")
 
 
 def _add_cache_options(parser: argparse.ArgumentParser) -> None:
@@ -241,7 +245,8 @@ def _load(args: argparse.Namespace):
 
     configure_threads(args.threads)
     device = resolve_device(args.device)
-    loaded = load_model(args.model, resolve_dtype(args.dtype, device), device)
+    dtype = {"f32": "float32", "bf16": "bfloat16"}.get(args.weights, args.dtype)
+    loaded = load_model(args.model, resolve_dtype(dtype, device), device, args.weights)
     loaded.model.kernels = KernelOps(args.kernels)
     return loaded
 

@@ -153,17 +153,18 @@ class Transformer(nn.Module):
         return self.embed.weight.device
 
     def weight_bytes(self) -> int:
-        """Bytes of distinct parameters (a tied head counted once)."""
+        """Bytes of distinct parameters and quantized weight buffers (a tied head counted
+        once)."""
         seen, total = set(), 0
-        for p in self.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
+        for p in [*self.parameters(), *self.buffers(recurse=True)]:
+            if id(p) not in seen and p.data_ptr() not in seen:
+                seen.update((id(p), p.data_ptr()))
                 total += p.numel() * p.element_size()
         return total
 
     def decode_read_bytes(self) -> int:
         """Bytes of weights one decode step reads: all except the unused embedding rows."""
         total = self.weight_bytes()
-        if self.output.weight is not self.embed.weight:
+        if getattr(self.output, "weight", None) is not self.embed.weight:
             total -= self.embed.weight.numel() * self.embed.weight.element_size()
         return total

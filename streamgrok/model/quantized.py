@@ -1,0 +1,132 @@
+"""Weight-only quantized linear layers for decode: int8 per output channel (`q8`) or int4 in
+groups of 32 input channels with a scale and zero each (`q4`), run by PyTorch's own packed
+CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) on bfloat16 activations.
+
+A decode step reads every weight once, so its time follows the weight bytes: int8 is a quarter
+of float32, int4 an eighth. On other devices the weights are dequantized per call (correct,
+not fast). `quantize_model` swaps the projections and the output head of a loaded model."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
+Q4_GROUP = 32
+Q4_INNER_K_TILES = 2
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W stored as int8 [out, in] and one bfloat16 scale per output row
+    (symmetric, scale = max |w| / 127)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127)
+                             .to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.out_features, self.in_features = w.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu":
+            out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.qweight,
+                                                     self.scales).to(x.dtype)
+        else:
+            out = F.linear(flat, self.dequantized(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as the kernel sees it, [out, in]."""
+        return (self.qweight.to(torch.float32) * self.scales.float()[:, None]).to(dtype)
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W in int4, groups of 32 input channels, asymmetric (a scale and a
+    zero per group: w = (q - 8) * scale + zero), packed for PyTorch's CPU int4 kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 cpu_kernel: bool | None = None) -> None:
+        """`cpu_kernel`: pack for PyTorch's CPU kernel (default: when the weight is on the
+        CPU), else keep two values a byte and dequantize per call."""
+        super().__init__()
+        w = weight.detach().float()
+        out_features, in_features = w.shape
+        if not fits_q4(out_features, in_features):
+            raise ValueError(f"q4 needs input sizes divisible by {Q4_GROUP} and output sizes "
+                             f"by 16, got {out_features}x{in_features}")
+        groups = w.view(out_features, in_features // Q4_GROUP, Q4_GROUP)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scales = ((high - low) / 15.0).clamp(min=1e-8)
+        zeros = low + scales * 8.0
+        q = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32)
+        q = q.view(out_features, in_features)
+        self.on_cpu = w.device.type == "cpu" if cpu_kernel is None else cpu_kernel
+        if self.on_cpu:  # the layout PyTorch's CPU kernel reads
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, Q4_INNER_K_TILES)
+        else:  # two values a byte, dequantized per call
+            packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+        self.register_buffer("packed", packed)
+        # [in / group, out, (scale, zero)], as the kernel takes them
+        self.register_buffer("scales_and_zeros", torch.stack(
+            [scales.view(out_features, -1).t(), zeros.view(out_features, -1).t()], dim=-1)
+            .to(torch.bfloat16).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.out_features, self.in_features = out_features, in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features)
+        if self.on_cpu:
+            out = self._kernel(flat).to(x.dtype)
+        else:
+            out = F.linear(flat, self.dequantized(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_and_zeros)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as the kernel sees it, [out, in] (on CPU read back through the kernel:
+        the packed layout is PyTorch's own)."""
+        if self.on_cpu:
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+            return self._kernel(eye).t().to(dtype)
+        q = torch.stack([self.packed & 15, self.packed >> 4], dim=-1).view(
+            self.out_features, self.in_features).float()
+        scales = self.scales_and_zeros[..., 0].t().float().repeat_interleave(Q4_GROUP, dim=1)
+        zeros = self.scales_and_zeros[..., 1].t().float().repeat_interleave(Q4_GROUP, dim=1)
+        return ((q - 8.0) * scales + zeros).to(dtype)
+
+
+def quantize_model(model: nn.Module, weights: str) -> nn.Module:
+    """Store the projections and the output head as `weights` (q8, q4; f32 and bf16 leave
+    the model as it is). The embedding table stays in the model's dtype (it is indexed, not
+    multiplied); a tied head gets its own quantized copy."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r} (choose from "
+                         f"{', '.join(WEIGHT_FORMATS)})")
+    if weights in ("f32", "bf16"):
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                four = weights == "q4" and fits_q4(*child.weight.shape)
+                kind = Int4Linear if four else Int8Linear  # q4: int8 where int4 cannot go
+                setattr(parent, name, kind(child.weight, child.bias))
+    return model
+
+
+def fits_q4(out_features: int, in_features: int) -> bool:
+    """Whether the int4 kernel takes a [out, in] weight (groups of 32, rows in 16s)."""
+    return in_features % Q4_GROUP == 0 and out_features % 16 == 0

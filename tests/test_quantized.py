@@ -1,0 +1,73 @@
+"""Weight-only int8 / int4 linears: the packed CPU kernels match their own dequantized
+weights, the error against float32 is what the format allows, and a quantized model decodes
+like the float one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_model, tiny_config, write_gguf
+
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.contiguous_cache import ContiguousKVCache
+from streamgrok.model.loader import load_model
+from streamgrok.model.quantized import Int4Linear, Int8Linear, quantize_model
+
+
+@pytest.mark.parametrize("kind, error", [(Int8Linear, 0.012), (Int4Linear, 0.1)])
+@pytest.mark.parametrize("shape", [(64, 64), (192, 576), (128, 96)])
+def test_kernel_matches_its_dequantized_weight(kind, error, shape):
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(shape[1], shape[0], bias=True)
+    linear.weight.data.normal_(0, 0.05)
+    quantized = kind(linear.weight, linear.bias)
+    x = torch.randn(5, shape[1])
+    out = quantized(x)
+    reference = torch.nn.functional.linear(x.bfloat16().float(), quantized.dequantized(),
+                                           linear.bias)
+    assert out.shape == (5, shape[0]) and out.dtype == x.dtype
+    assert (out - reference).abs().max() <= 0.01 * reference.abs().max()
+    exact = linear(x)
+    assert (out - exact).norm() / exact.norm() < error
+
+
+def test_int4_byte_layout_dequantizes_like_the_cpu_kernel():
+    torch.manual_seed(2)
+    weight = torch.randn(64, 96) * 0.05
+    kernel = Int4Linear(weight, None)
+    nibbles = Int4Linear(weight, None, cpu_kernel=False)
+    assert nibbles.packed.numel() == weight.numel() // 2
+    torch.testing.assert_close(nibbles.dequantized(), kernel.dequantized(), atol=2e-3,
+                               rtol=1e-2)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(nibbles(x), kernel(x), atol=2e-2, rtol=2e-2)
+
+
+def test_q4_refuses_sizes_its_groups_do_not_divide():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int4Linear(torch.randn(16, 40), None)
+    with pytest.raises(ValueError, match="by 16"):
+        Int4Linear(torch.randn(24, 64), None)
+    model = quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 24), torch.nn.Linear(24, 32)),
+                           "q4")
+    assert [type(m) for m in model] == [Int8Linear, Int8Linear]  # int8 where int4 cannot go
+    with pytest.raises(ValueError, match="unknown weight format"):
+        quantize_model(torch.nn.Linear(4, 4), "q3")
+
+
+@pytest.mark.parametrize("weights, agreement", [("q8", 0.9), ("q4", 0.6)])
+def test_a_quantized_model_decodes_like_the_float_one(tmp_path, weights, agreement):
+    config = tiny_config(max_positions=256, hidden_size=128, intermediate_size=256,
+                         head_dim=32)
+    path = write_gguf(tmp_path / "tiny.gguf", random_model(config))
+    exact, quantized = load_model(path), load_model(path, weights=weights)
+    assert quantized.model.weight_bytes() < exact.model.weight_bytes() * 0.6
+    ids = torch.randint(0, config.vocab_size, (96,))
+    logits = []
+    for loaded in (exact, quantized):
+        cache = ContiguousKVCache(config, 1, 96, torch.float32, "cpu")
+        batch = BatchMetadata.build([0], [96], "cpu")
+        logits.append(loaded.model(ids, batch, cache))
+    same_top1 = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
+    assert same_top1 >= agreement
+    assert logits[1].dtype == torch.float32 and torch.isfinite(logits[1]).all()
