@@ -171,8 +171,19 @@ def _add_bench_commands(commands) -> None:
                                 help="prefill and batched decode throughput")
     decode.add_argument("--prompt-tokens", type=int, default=512, help="prefill length")
     decode.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    decode.add_argument("--context", type=int, default=512,
+                        help="context of each sequence for the batched decode rows")
+    decode.add_argument("--batch1-context", type=int, default=64,
+                        help="context of the batch-1 decode row (llama-bench's tg128 spans 0-128)")
     decode.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
-    decode.add_argument("--repeats", type=int, default=3, help="prefill repeats (median)")
+    decode.add_argument("--repeats", type=int, default=3, help="runs per number (median)")
+    decode.add_argument("--formats", default="f32,bf16,q8,q4",
+                        help="weight formats compared (f32 is the accuracy reference)")
+    decode.add_argument("--peer", default=None, choices=("llama.cpp",),
+                        help="also measure llama.cpp's own benchmarks on the same GGUF")
+    decode.add_argument("--peer-bin", default=None,
+                        help="folder with llama-bench and llama-batched-bench (default: PATH)")
+    decode.add_argument("--out", default="bench-results", help="folder for the plot")
     _add_model_options(decode)
     kv = benches.add_parser("kv", formatter_class=DEFAULTS,
                             help="KV cache: flat memory, passkey, perplexity, overhead")
@@ -317,13 +328,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "decode":
         from streamgrok.bench.decode import run_decode_bench
 
-        run_decode_bench(
-            _load(args),
-            prompt_tokens=args.prompt_tokens,
-            batch_sizes=[int(b) for b in args.batches.split(",")],
-            steps=args.steps,
-            repeats=args.repeats,
-        )
+        run_decode_bench(args.model, args.formats.split(","), args.threads,
+                         prompt_tokens=args.prompt_tokens,
+                         batches=[int(b) for b in args.batches.split(",")],
+                         context=args.context, batch1_context=args.batch1_context,
+                         steps=args.steps, repeats=args.repeats, peer=args.peer,
+                         peer_bin=args.peer_bin, out=args.out)
         return 0
     if args.bench == "kv":
         from pathlib import Path

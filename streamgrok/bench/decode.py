@@ -1,91 +1,123 @@
-"""`streamgrok bench decode`: prefill throughput and batched decode throughput.
-
-Batch 1 is the baseline measured in the same run; every other batch size prints its ratio to
-it, and every row prints the weight-read bandwidth a decode step achieves (gpt-fast habit).
-"""
+"""`streamgrok bench decode`: prefill, batch-1 decode and aggregate decode of N sequences at
+a real context, per weight format (each in its own process, so peak RSS is its own), with
+teacher-forced accuracy against float32 and, with `--peer llama.cpp`, the same rows measured
+by llama.cpp's own benchmarks on the same GGUF and threads. Ratios are from the same run."""
 
 from __future__ import annotations
 
-import torch
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-from streamgrok.bench.timing import median, timed
-from streamgrok.model.batch import BatchMetadata
-from streamgrok.model.contiguous_cache import ContiguousKVCache
-from streamgrok.model.loader import LoadedModel
-
-_TEXT = (
-    "Streams of video and audio arrive for hours; the engine keeps a bounded cache of what "
-    "matters and answers questions about it as they come. "
-)
+from streamgrok.bench.llama_cpp_peer import PeerUnavailable, find_binaries, run_peer
 
 
-def prompt_ids(loaded: LoadedModel, length: int) -> list[int]:
-    """`length` token ids of repeated real text."""
-    ids = loaded.tokenizer.encode(_TEXT)
-    return (ids * (length // len(ids) + 1))[:length]
+def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
+                     prompt_tokens: int = 512, batches: list[int] | None = None,
+                     context: int = 512, batch1_context: int = 64, steps: int = 12,
+                     repeats: int = 3, peer: str | None = None, peer_bin: str | None = None,
+                     out: str = "bench-results") -> list[dict]:
+    """Print one row per measurement, one column per weight format (and the peer)."""
+    import torch
+
+    from streamgrok.model.loader import default_model_path
+
+    model_path = Path(model) if model else default_model_path()
+    threads = threads or torch.get_num_threads()
+    batches = batches or [1, 8, 32]
+    weights = ["f32", *[w for w in weights if w != "f32"]]  # the accuracy reference first
+    print(f"model {model_path.name}  threads {threads}  prefill {prompt_tokens} tokens  "
+          f"batch 1 at {batch1_context} tokens, sequences at {context}+{steps} tokens  "
+          f"median of {repeats}", flush=True)
+    columns: list[dict] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        reference = str(Path(scratch) / "f32_logprobs.npy")
+        for fmt in weights:
+            spec = {"model": str(model_path), "weights": fmt, "threads": threads,
+                    "prompt_tokens": prompt_tokens, "batches": batches, "context": context,
+                    "batch1_context": batch1_context, "steps": steps, "repeats": repeats,
+                    "reference_logprobs": reference, "agreement_tokens": 512}
+            columns.append(_worker(spec, Path(scratch)))
+            print(f".. {fmt} done", file=sys.stderr, flush=True)
+    if peer == "llama.cpp":
+        try:
+            binaries = find_binaries(peer_bin)
+            columns.append(run_peer(binaries, model_path, threads, prompt_tokens, 128,
+                                    context, [b for b in batches if b > 1], repeats))
+        except PeerUnavailable as exc:
+            print(f"peer llama.cpp: {exc}")
+    _print_table(columns, batches, context)
+    _plot(columns, batches, Path(out))
+    return columns
 
 
-@torch.inference_mode()
-def run_decode_bench(
-    loaded: LoadedModel,
-    prompt_tokens: int = 512,
-    batch_sizes: list[int] | None = None,
-    steps: int = 12,
-    repeats: int = 3,
-    decode_context: int = 64,
-) -> dict[str, float]:
-    """Print and return prefill tok/s and decode tok/s + GB/s per batch size."""
-    batch_sizes = batch_sizes or [1, 8, 32]
-    model, device = loaded.model, loaded.model.device
-    dtype_name = str(model.dtype).removeprefix("torch.")
-    print(
-        f"model {loaded.source.name}  dtype {dtype_name}  device {device}  "
-        f"threads {torch.get_num_threads()}  weights {model.weight_bytes() / 1e6:.0f} MB"
-    )
-    results: dict[str, float] = {}
-
-    ids = torch.tensor(prompt_ids(loaded, prompt_tokens), device=device)
-    cache = ContiguousKVCache(loaded.config, 1, prompt_tokens, model.dtype, device)
-
-    def prefill() -> None:
-        cache.reset(0)
-        model(ids, BatchMetadata.build([0], [prompt_tokens], device), cache)
-
-    prefill()  # warm-up
-    prefill_s = median([timed(prefill, device) for _ in range(repeats)])
-    results["prefill_tok_s"] = prompt_tokens / prefill_s
-    print(f"prefill  {prompt_tokens} tokens  {prefill_s * 1e3:8.1f} ms  "
-          f"{results['prefill_tok_s']:8.1f} tok/s  (median of {repeats})")
-
-    read_bytes = model.decode_read_bytes()
-    baseline = None
-    print(f"{'batch':>5} {'step ms':>9} {'tok/s':>9} {'weight GB/s':>12} {'vs batch 1':>11}")
-    for batch_size in batch_sizes:
-        step_s = _decode_step_time(loaded, batch_size, decode_context, steps)
-        tok_s = batch_size / step_s
-        baseline = baseline or (tok_s if batch_size == 1 else None)
-        ratio = f"{tok_s / baseline:10.2f}x" if baseline else f"{'n/a':>11}"
-        print(f"{batch_size:>5} {step_s * 1e3:9.1f} {tok_s:9.1f} "
-              f"{read_bytes / step_s / 1e9:12.2f} {ratio}")
-        results[f"decode_b{batch_size}_tok_s"] = tok_s
-    return results
+def _worker(spec: dict, scratch: Path) -> dict:
+    path = scratch / f"{spec['weights']}.json"
+    path.write_text(json.dumps(spec))
+    done = subprocess.run([sys.executable, "-m", "streamgrok.bench.decode_worker", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {spec['weights']} run failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _decode_step_time(
-    loaded: LoadedModel, batch_size: int, context: int, steps: int
-) -> float:
-    model, device = loaded.model, loaded.model.device
-    capacity = context + steps + 2
-    cache = ContiguousKVCache(loaded.config, batch_size, capacity, model.dtype, device)
-    ids = prompt_ids(loaded, context)
-    seqs = list(range(batch_size))
-    model(
-        torch.tensor(ids * batch_size, device=device),
-        BatchMetadata.build(seqs, [context] * batch_size, device),
-        cache,
-    )
-    step_batch = BatchMetadata.build(seqs, [1] * batch_size, device)
-    tokens = torch.full((batch_size,), ids[0], device=device)
-    model(tokens, step_batch, cache)  # warm-up
-    times = [timed(lambda: model(tokens, step_batch, cache), device) for _ in range(steps)]
-    return median(times)
+def _rows(batches: list[int], context: int) -> list[tuple[str, str, bool]]:
+    """(label, key, higher is better)."""
+    rows = [("prefill tok/s", "prefill_tok_s", True)]
+    for batch in batches:
+        label = "decode batch 1 tok/s" if batch == 1 else \
+            f"decode {batch} seq @{context} tok/s"
+        rows.append((label, f"decode_b{batch}_tok_s", True))
+    rows += [("peak RSS MB", "peak_rss_mb", False), ("weights MB", "weight_mb", False),
+             ("top-1 vs f32", "top1_agreement", True), ("KL vs f32 nats", "kl_nats", False)]
+    return rows
+
+
+def _print_table(columns: list[dict], batches: list[int], context: int) -> None:
+    peer = next((c for c in columns if c["weights"] == "llama.cpp"), None)
+    ours = [c for c in columns if c is not peer]
+    names = [c["weights"] for c in ours] + (["llama.cpp"] if peer else [])
+    ratio_names = [f"{c['weights']}/peer" for c in ours] if peer else \
+        [f"{c['weights']}/f32" for c in ours[1:]]
+    print(f"{'':28}" + "".join(f"{n:>12}" for n in names + ratio_names))
+    for label, key, _ in _rows(batches, context):
+        cells = [_cell(c.get(key)) for c in ours] + ([_cell(peer.get(key))] if peer else [])
+        base = peer if peer else ours[0]
+        compared = ours if peer else ours[1:]
+        ratios = [_ratio(c.get(key), base.get(key)) for c in compared]
+        print(f"{label:28}" + "".join(f"{x:>12}" for x in cells + ratios))
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def _ratio(value, base) -> str:
+    if value is None or not base:
+        return "-"
+    return f"{value / base:.2f}x"
+
+
+def _plot(columns: list[dict], batches: list[int], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in _rows(batches, 0) if r[1].endswith("tok_s")]
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.2))
+    for axis, (label, key, _) in zip(axes, rows):
+        names = [c["weights"] for c in columns if c.get(key) is not None]
+        values = [c[key] for c in columns if c.get(key) is not None]
+        axis.bar(names, values, color=["#777" if n == "llama.cpp" else "#3a63d8"
+                                       for n in names])
+        axis.set_title(label.replace(" @0", ""), fontsize=9)
+        axis.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "decode.png", dpi=110)
+    print(f"plot: {out / 'decode.png'}")

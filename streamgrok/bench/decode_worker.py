@@ -1,0 +1,118 @@
+"""One weight format's measurements for `streamgrok bench decode`, in its own process (so
+that its peak RSS is its own): prefill, decode at batch 1 and N sequences, and teacher-forced
+agreement with the float32 model. `python -m streamgrok.bench.decode_worker SPEC.json`."""
+
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from streamgrok.bench.timing import median, timed
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.contiguous_cache import ContiguousKVCache
+from streamgrok.model.loader import LoadedModel, load_model
+from streamgrok.runtime import configure_threads, resolve_dtype
+
+_TEXT = (
+    "Streams of video and audio arrive for hours; the engine keeps a bounded cache of what "
+    "matters and answers questions about it as they come. "
+)
+
+
+def prompt_ids(loaded: LoadedModel, length: int) -> list[int]:
+    """`length` token ids of repeated real text."""
+    ids = loaded.tokenizer.encode(_TEXT)
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def prose_ids(loaded: LoadedModel, length: int) -> list[int]:
+    """`length` token ids of English prose (the Python documentation's topics, offline)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return loaded.tokenizer.encode(text[: length * 8])[:length]
+
+
+@torch.inference_mode()
+def measure(spec: dict) -> dict:
+    """Load the model as `spec` says and time it; returns the numbers as a dict."""
+    configure_threads(spec["threads"])
+    weights = spec["weights"]
+    dtype = resolve_dtype({"f32": "float32", "bf16": "bfloat16"}.get(weights, "float32"))
+    loaded = load_model(spec["model"], dtype, "cpu", weights)
+    gc.collect()
+    model = loaded.model
+    out: dict = {"weights": weights, "weight_mb": model.weight_bytes() / 1e6,
+                 "decode_read_mb": model.decode_read_bytes() / 1e6}
+    repeats = spec["repeats"]
+
+    prompt = torch.tensor(prompt_ids(loaded, spec["prompt_tokens"]))
+    cache = ContiguousKVCache(loaded.config, 1, len(prompt), model.dtype, "cpu")
+    prefill_batch = BatchMetadata.build([0], [len(prompt)], "cpu")
+
+    def prefill() -> None:
+        cache.reset(0)
+        model(prompt, prefill_batch, cache)
+
+    prefill()
+    out["prefill_tok_s"] = len(prompt) / median([timed(prefill, torch.device("cpu"))
+                                                 for _ in range(repeats)])
+    for batch in spec["batches"]:
+        # batch 1 as llama-bench's tg128 (a short context), sequences at the long context
+        context = spec["batch1_context"] if batch == 1 else spec["context"]
+        step_s = median([_decode_step(loaded, batch, context, spec["steps"])
+                         for _ in range(repeats)])
+        out[f"decode_b{batch}_tok_s"] = batch / step_s
+        out[f"decode_b{batch}_step_ms"] = step_s * 1e3
+    if spec.get("reference_logprobs"):
+        out.update(_agreement(loaded, spec))
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def _decode_step(loaded: LoadedModel, batch_size: int, context: int, steps: int) -> float:
+    """Median seconds of a decode step for `batch_size` sequences at `context` tokens."""
+    model = loaded.model
+    cache = ContiguousKVCache(loaded.config, batch_size, context + steps + 2, model.dtype,
+                              "cpu")
+    ids = prompt_ids(loaded, context)
+    seqs = list(range(batch_size))
+    for seq in seqs:  # one prefill each, as sessions would have
+        model(torch.tensor(ids), BatchMetadata.build([seq], [context], "cpu"), cache)
+    step_batch = BatchMetadata.build(seqs, [1] * batch_size, "cpu")
+    tokens = torch.full((batch_size,), ids[0])
+    model(tokens, step_batch, cache)  # warm-up
+    return median([timed(lambda: model(tokens, step_batch, cache), torch.device("cpu"))
+                   for _ in range(steps)])
+
+
+def _agreement(loaded: LoadedModel, spec: dict) -> dict:
+    """Teacher-forced top-1 agreement and KL(float32 || this) on fixed prose; the float32
+    run writes the reference log-probabilities instead."""
+    ids = torch.tensor(prose_ids(loaded, spec["agreement_tokens"]))
+    cache = ContiguousKVCache(loaded.config, 1, len(ids), loaded.model.dtype, "cpu")
+    logits = loaded.model(ids, BatchMetadata.build([0], [len(ids)], "cpu"), cache)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    path = Path(spec["reference_logprobs"])
+    if spec["weights"] == "f32":
+        np.save(path, logprobs.numpy())
+        return {"top1_agreement": 1.0, "kl_nats": 0.0, "agreement_tokens": len(ids)}
+    reference = torch.from_numpy(np.load(path))
+    kl = (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
+    same = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
+    return {"top1_agreement": same, "kl_nats": kl, "agreement_tokens": len(ids)}
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    print(json.dumps(measure(spec)))
+
+
+if __name__ == "__main__":
+    main()
