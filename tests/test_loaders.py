@@ -30,12 +30,15 @@ IDS = [5, 77, 3, 120, 9, 250, 31, 64, 2, 17]
 
 def test_f32_gguf_round_trip_is_exact(tiny, tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", tiny)
-    loaded = load_model(path)
+    loaded = load_model(path, fuse=False)  # the checkpoint's names, to compare them
     assert loaded.config.rms_norm_eps == pytest.approx(tiny.config.rms_norm_eps)  # stored as f32
     assert dataclasses.replace(loaded.config, rms_norm_eps=tiny.config.rms_norm_eps) == tiny.config
     for (name, want), got in zip(tiny.state_dict().items(), loaded.model.state_dict().values()):
         torch.testing.assert_close(got, want, msg=name)
     torch.testing.assert_close(logits_of(loaded.model, IDS), logits_of(tiny, IDS))
+    fused = load_model(path).model  # q/k/v and gate/up as one matmul each: the same logits
+    assert fused.layers[0].attn.wqkv is not None and fused.layers[0].ffn.w_gate_up is not None
+    torch.testing.assert_close(logits_of(fused, IDS), logits_of(tiny, IDS))
 
 
 # (quant type, max abs weight error relative to the weight scale, min logit cosine)
@@ -50,7 +53,7 @@ QUANTS = [
 
 @pytest.mark.parametrize("qtype,weight_tol,min_cos", QUANTS, ids=[q[0].name for q in QUANTS])
 def test_quantized_gguf_loads_within_quantization_error(tiny, tmp_path, qtype, weight_tol, min_cos):
-    loaded = load_model(write_gguf(tmp_path / "q.gguf", tiny, qtype)).model
+    loaded = load_model(write_gguf(tmp_path / "q.gguf", tiny, qtype), fuse=False).model
     for name, want in tiny.state_dict().items():
         got = loaded.get_parameter(name)
         scale = want.abs().max()

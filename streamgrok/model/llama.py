@@ -51,14 +51,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.wv = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.wo = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.wqkv: nn.Module | None = None  # q, k and v in one matmul (see fuse_projections)
 
     def forward(
         self, x: torch.Tensor, batch: BatchMetadata, backend: AttentionBackend
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.wq(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.wk(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.wv(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.wqkv is not None:
+            q, k, v = self.wqkv(x).split(
+                [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                 self.num_kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         # q and k go unrotated: the backend applies rotary at cache positions
         out = backend.attend(self.layer, q, k, v, batch)
         return self.wo(out.reshape(tokens, self.num_heads * self.head_dim))
@@ -72,9 +79,14 @@ class FeedForward(nn.Module):
         self.w_gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.w_up = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w_gate_up: nn.Module | None = None  # gate and up in one matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        if self.w_gate_up is not None:
+            gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.w_gate(x), self.w_up(x)
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -168,3 +180,31 @@ class Transformer(nn.Module):
         if getattr(self.output, "weight", None) is not self.embed.weight:
             total -= self.embed.weight.numel() * self.embed.weight.element_size()
         return total
+
+
+def fuse_projections(model: Transformer) -> Transformer:
+    """Concatenate each layer's q/k/v and gate/up weights so each group is one matmul
+    (fewer calls and one read of the activations; the same numbers). The separate modules
+    are removed; loading into a fused model is not supported (fuse after loading)."""
+    for block in model.layers:
+        attn, ffn = block.attn, block.ffn
+        if attn.wqkv is None:
+            attn.wqkv = _concatenated([attn.wq, attn.wk, attn.wv])
+            del attn.wq, attn.wk, attn.wv
+        if ffn.w_gate_up is None:
+            ffn.w_gate_up = _concatenated([ffn.w_gate, ffn.w_up])
+            del ffn.w_gate, ffn.w_up
+    return model
+
+
+def _concatenated(parts: list[nn.Linear]) -> nn.Linear:
+    weight = torch.cat([p.weight.detach() for p in parts])
+    has_bias = parts[0].bias is not None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
+                      device=weight.device, dtype=weight.dtype)
+    fused.weight = nn.Parameter(weight.t().contiguous().t() if weight.device.type == "cpu"
+                                else weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]),
+                                  requires_grad=False)
+    return fused

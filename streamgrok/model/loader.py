@@ -13,7 +13,7 @@ from streamgrok.errors import ModelLoadError
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
 from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_json
-from streamgrok.model.llama import Transformer
+from streamgrok.model.llama import Transformer, fuse_projections
 from streamgrok.model.quantized import quantize_model
 from streamgrok.model.tokenizer import Tokenizer
 
@@ -99,12 +99,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     weights: str = "auto",
+    fuse: bool = True,
 ) -> LoadedModel:
     """Load a .gguf file or Hugging Face folder (default: the embedded SmolLM2).
 
     `weights` stores the projections and the output head: `auto` in `dtype`, or `q8` / `q4`
     (weight-only int8 / int4, see `streamgrok.model.quantized`); `dtype` stays the dtype of
-    everything else (norms, embeddings, the KV cache)."""
+    everything else (norms, embeddings, the KV cache). `fuse` joins q/k/v and gate/up into
+    one matmul each (`fuse_projections`; off keeps the checkpoint's module names)."""
     source = Path(path) if path is not None else default_model_path()
     if source.is_dir():
         config = config_from_hf(source)
@@ -118,6 +120,8 @@ def load_model(
         model = build_model(config, iter_state_dict(contents, dtype), device)
     else:
         raise ModelLoadError(f"model not found: {source} (give a .gguf file or a model folder)")
+    if fuse:
+        fuse_projections(model)
     if weights in ("q8", "q4"):
         quantize_model(model, weights)
     elif weights not in ("auto", "f32", "bf16"):
