@@ -71,3 +71,19 @@ def test_a_quantized_model_decodes_like_the_float_one(tmp_path, weights, agreeme
     same_top1 = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
     assert same_top1 >= agreement
     assert logits[1].dtype == torch.float32 and torch.isfinite(logits[1]).all()
+
+
+@pytest.mark.parametrize("weights", ["q8", "q4"])
+def test_quantizing_while_loading_equals_quantizing_the_loaded_model(tmp_path, weights):
+    config = tiny_config(max_positions=128, hidden_size=128, intermediate_size=256,
+                         head_dim=32, attention_bias=True, architecture="qwen2")
+    path = write_gguf(tmp_path / "tiny.gguf", random_model(config))
+    streamed = load_model(path, weights=weights)  # per tensor while reading, then fused
+    afterwards = quantize_model(load_model(path, fuse=False).model, weights)
+    assert streamed.model.layers[0].attn.wqkv.bias is not None
+    ids = torch.randint(0, config.vocab_size, (40,))
+    outs = []
+    for model in (streamed.model, afterwards):
+        cache = ContiguousKVCache(config, 1, 40, torch.float32, "cpu")
+        outs.append(model(ids, BatchMetadata.build([0], [40], "cpu"), cache))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)

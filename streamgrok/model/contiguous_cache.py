@@ -6,9 +6,12 @@ is checked against, and the cache of plain one-shot generation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kernels.rotary import apply_rotary
 from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.config import ModelConfig
@@ -52,10 +55,19 @@ class ContiguousKVCache:
                 )
         for seq, start, n in zip(batch.seq_ids, starts, batch.query_lens):
             self.lengths[seq] = start + n
+        device = self.k.device
         positions = torch.cat(
             [torch.arange(st, st + n) for st, n in zip(starts, batch.query_lens)]
-        ).to(self.k.device)
-        batch.backend_state = (starts, positions)
+        ).to(device)
+        # what every layer shares, built once a step: rotary angles and the decode mask
+        cos, sin = self.rotary.cos_sin(positions)
+        decode = None
+        if batch.is_decode:
+            total = max(starts) + 1
+            lengths = torch.tensor(starts, device=device) + 1
+            mask = torch.arange(total, device=device)[None, :] < lengths[:, None]
+            decode = (torch.tensor(batch.seq_ids, device=device), total, mask[:, None, None, :])
+        batch.backend_state = _StepState(starts, cos, sin, decode)
 
     def attend(
         self,
@@ -66,15 +78,16 @@ class ContiguousKVCache:
         batch: BatchMetadata,
     ) -> torch.Tensor:
         """Store this layer's new K/V for each sequence, then attend (causal within chunks)."""
-        starts, positions = batch.backend_state
-        q = self.rotary.rotate(q, positions)
-        k = self.rotary.rotate(k, positions)
+        step: _StepState = batch.backend_state
+        starts = step.starts
+        q = apply_rotary(q, step.cos, step.sin)
+        k = apply_rotary(k, step.cos, step.sin)
         spans = batch.spans()
         for (seq, row, n), start in zip(spans, starts):
             self.k[layer, seq, :, start : start + n] = k[row : row + n].transpose(0, 1)
             self.v[layer, seq, :, start : start + n] = v[row : row + n].transpose(0, 1)
-        if batch.is_decode:
-            return self._decode(layer, q, batch.seq_ids, starts)
+        if step.decode is not None:
+            return self._decode(layer, q, *step.decode)
         out = torch.empty_like(q)
         for (seq, row, n), start in zip(spans, starts):
             out[row : row + n] = self._prefill(layer, q[row : row + n], seq, start, n)
@@ -93,19 +106,20 @@ class ContiguousKVCache:
         return out.transpose(0, 1).to(q.dtype)
 
     def _decode(
-        self, layer: int, q: torch.Tensor, seq_ids: list[int], starts: list[int]
+        self, layer: int, q: torch.Tensor, slots: torch.Tensor, total: int, mask: torch.Tensor
     ) -> torch.Tensor:
-        total = max(starts) + 1
-        slots = torch.tensor(seq_ids, device=q.device)
         keys = self.k[layer, slots, :, :total]
         values = self.v[layer, slots, :, :total]
-        lengths = torch.tensor(starts, device=q.device) + 1
-        mask = torch.arange(total, device=q.device)[None, :] < lengths[:, None]
         out = F.scaled_dot_product_attention(
-            q[:, :, None, :].to(keys.dtype),
-            keys,
-            values,
-            attn_mask=mask[:, None, None, :],
-            enable_gqa=True,
-        )
+            q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True)
         return out[:, :, 0, :].to(q.dtype)
+
+
+@dataclass
+class _StepState:
+    """One step's batch, as every layer's attention uses it."""
+
+    starts: list[int]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    decode: tuple[torch.Tensor, int, torch.Tensor] | None  # slots, total keys, mask

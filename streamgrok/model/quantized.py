@@ -4,9 +4,13 @@ CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) on bfloat16 a
 
 A decode step reads every weight once, so its time follows the weight bytes: int8 is a quarter
 of float32, int4 an eighth. On other devices the weights are dequantized per call (correct,
-not fast). `quantize_model` swaps the projections and the output head of a loaded model."""
+not fast). `load_model(weights="q8")` quantizes each projection as it is read
+(`QuantizedRows`), so the float weights are never all in memory; `quantize_model` does the same
+to a model already built."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,19 +21,70 @@ Q4_GROUP = 32
 Q4_INNER_K_TILES = 2
 
 
+@dataclass
+class QuantizedRows:
+    """A weight [out, in] quantized row by row, not yet packed for a kernel. Rows are
+    independent, so the rows of several weights concatenate (fused q/k/v, gate/up) exactly
+    as if the concatenation had been quantized."""
+
+    kind: str  # "q8" or "q4"
+    values: torch.Tensor  # int8 [out, in] (q8) or uint8 levels 0..15 [out, in] (q4)
+    scales: torch.Tensor  # [out] (q8) or [out, in / 32] (q4), float32
+    zeros: torch.Tensor | None = None  # [out, in / 32] (q4)
+
+    @staticmethod
+    def of(weight: torch.Tensor, kind: str) -> QuantizedRows:
+        w = weight.detach().float()
+        if kind == "q8":
+            scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+            values = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+            return QuantizedRows(kind, values, scales)
+        out_features, in_features = w.shape
+        groups = w.view(out_features, in_features // Q4_GROUP, Q4_GROUP)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scales = ((high - low) / 15.0).clamp(min=1e-8)
+        values = torch.round((groups - low) / scales).clamp(0, 15).to(torch.uint8)
+        return QuantizedRows(kind, values.view(out_features, in_features), scales[..., 0],
+                             (low + scales * 8.0)[..., 0])
+
+    @staticmethod
+    def concat(parts: list[QuantizedRows]) -> QuantizedRows:
+        zeros = None if parts[0].zeros is None else torch.cat([p.zeros for p in parts])
+        return QuantizedRows(parts[0].kind, torch.cat([p.values for p in parts]),
+                             torch.cat([p.scales for p in parts]), zeros)
+
+    def linear(self, bias: torch.Tensor | None = None) -> nn.Module:
+        """The packed linear layer of these rows."""
+        return Int8Linear.from_rows(self, bias) if self.kind == "q8" else \
+            Int4Linear.from_rows(self, bias)
+
+
+def quantized_rows(weight: torch.Tensor, weights: str) -> QuantizedRows:
+    """`weight` as `weights` rows (q4 falls back to int8 where the int4 kernel cannot go)."""
+    four = weights == "q4" and fits_q4(*weight.shape)
+    return QuantizedRows.of(weight, "q4" if four else "q8")
+
+
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8 [out, in] and one bfloat16 scale per output row
     (symmetric, scale = max |w| / 127)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        w = weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        self.register_buffer("qweight", torch.round(w / scales[:, None]).clamp(-127, 127)
-                             .to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.to(torch.bfloat16))
+        self._set(QuantizedRows.of(weight, "q8"), bias)
+
+    @classmethod
+    def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None) -> Int8Linear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._set(rows, bias)
+        return layer
+
+    def _set(self, rows: QuantizedRows, bias: torch.Tensor | None) -> None:
+        self.register_buffer("qweight", rows.values.contiguous())
+        self.register_buffer("scales", rows.scales.to(torch.bfloat16))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.out_features, self.in_features = w.shape
+        self.out_features, self.in_features = rows.values.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -57,27 +112,33 @@ class Int4Linear(nn.Module):
         """`cpu_kernel`: pack for PyTorch's CPU kernel (default: when the weight is on the
         CPU), else keep two values a byte and dequantize per call."""
         super().__init__()
-        w = weight.detach().float()
-        out_features, in_features = w.shape
+        out_features, in_features = weight.shape
         if not fits_q4(out_features, in_features):
             raise ValueError(f"q4 needs input sizes divisible by {Q4_GROUP} and output sizes "
                              f"by 16, got {out_features}x{in_features}")
-        groups = w.view(out_features, in_features // Q4_GROUP, Q4_GROUP)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scales = ((high - low) / 15.0).clamp(min=1e-8)
-        zeros = low + scales * 8.0
-        q = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32)
-        q = q.view(out_features, in_features)
-        self.on_cpu = w.device.type == "cpu" if cpu_kernel is None else cpu_kernel
+        self._set(QuantizedRows.of(weight, "q4"), bias,
+                  weight.device.type == "cpu" if cpu_kernel is None else cpu_kernel)
+
+    @classmethod
+    def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None) -> Int4Linear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._set(rows, bias, rows.values.device.type == "cpu")
+        return layer
+
+    def _set(self, rows: QuantizedRows, bias: torch.Tensor | None, cpu_kernel: bool) -> None:
+        q = rows.values
+        out_features, in_features = q.shape
+        self.on_cpu = cpu_kernel
         if self.on_cpu:  # the layout PyTorch's CPU kernel reads
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, Q4_INNER_K_TILES)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.to(torch.int32), Q4_INNER_K_TILES)
         else:  # two values a byte, dequantized per call
             packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
         self.register_buffer("packed", packed)
         # [in / group, out, (scale, zero)], as the kernel takes them
         self.register_buffer("scales_and_zeros", torch.stack(
-            [scales.view(out_features, -1).t(), zeros.view(out_features, -1).t()], dim=-1)
-            .to(torch.bfloat16).contiguous())
+            [rows.scales.t(), rows.zeros.t()], dim=-1).to(torch.bfloat16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features, self.in_features = out_features, in_features
 
