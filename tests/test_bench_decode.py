@@ -1,0 +1,27 @@
+"""`streamgrok bench decode` runs end to end on a tiny model: one process per weight format,
+every row filled, the accuracy reference first, a plot written."""
+
+from __future__ import annotations
+
+from helpers import random_model, tiny_config, write_gguf
+
+from streamgrok.bench.decode import run_decode_bench
+
+
+def test_decode_bench_measures_each_format_against_float32(tmp_path, capsys):
+    config = tiny_config(max_positions=256, hidden_size=128, intermediate_size=256,
+                         head_dim=32)
+    model = write_gguf(tmp_path / "tiny.gguf", random_model(config))
+    columns = run_decode_bench(str(model), ["q8", "q4"], threads=1, prompt_tokens=32,
+                               batches=[1, 2], context=32, batch1_context=8, steps=2,
+                               repeats=1, out=str(tmp_path / "out"))
+    assert [c["weights"] for c in columns] == ["f32", "q8", "q4"]
+    for column in columns:
+        for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b2_tok_s", "peak_rss_mb"):
+            assert column[key] > 0, (column["weights"], key)
+    assert columns[0]["top1_agreement"] == 1.0 and columns[0]["kl_nats"] == 0.0
+    assert 0 <= columns[2]["top1_agreement"] <= 1 and columns[2]["kl_nats"] >= 0
+    assert columns[1]["weight_mb"] < columns[0]["weight_mb"]
+    printed = capsys.readouterr().out
+    assert "decode 2 seq @32 tok/s" in printed and "q8/f32" in printed
+    assert (tmp_path / "out" / "decode.png").stat().st_size > 1000
