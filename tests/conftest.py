@@ -30,6 +30,18 @@ def smollm2():
     return load_model(dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def tiny_loaded(tmp_path_factory):
+    """A tiny random Llama written as a GGUF file and loaded like a real model (4096
+    positions), once per test module."""
+    from helpers import random_model, tiny_config, write_gguf
+
+    from streamgrok.model.loader import load_model
+
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
+
+
 @pytest.fixture
 def tiny():
     """A tiny random Llama (2 layers, GQA 4:2, head dim 16)."""

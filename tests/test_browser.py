@@ -14,11 +14,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import random_model, tiny_config, write_gguf
 from websockets.asyncio.client import connect
 
 from streamgrok.cache.config import CacheConfig
-from streamgrok.model.loader import load_model
 from streamgrok.server.app import ServerConfig, StreamgrokServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -73,12 +71,6 @@ class DevTools:
                 return value
             await asyncio.sleep(0.2)
         raise AssertionError(f"timed out waiting for {expression}")
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
 
 
 async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp_path):

@@ -6,21 +6,12 @@ import asyncio
 
 import pytest
 import torch
-from helpers import random_model, tiny_config, write_gguf
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine, EngineConfig
 from streamgrok.errors import StreamgrokError
-from streamgrok.model.loader import load_model
 from streamgrok.model.sampling import SamplingParams
 from streamgrok.stream_tokens import Modality
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
-
 
 GREEDY = SamplingParams(max_tokens=12)
 CACHE = CacheConfig(policy="h2o", budget_tokens=96, memory_gib=0.01)

@@ -11,7 +11,6 @@ import cv2
 import httpx2 as httpx
 import openai
 import pytest
-from helpers import random_model, tiny_config, write_gguf
 from hypothesis import given
 from hypothesis import strategies as st
 from openai import AsyncOpenAI
@@ -19,17 +18,10 @@ from websockets.asyncio.client import connect
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.media.samples import photo
-from streamgrok.model.loader import load_model
 from streamgrok.server.app import ServerConfig, StreamgrokServer
 
 PIPELINE = "pipelines/live_qa.py"
 KEY = "test-key"
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
 
 
 @pytest.fixture

@@ -5,13 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import random_model, tiny_config, write_gguf
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine, EngineConfig
 from streamgrok.media.items import Note
 from streamgrok.media.samples import Scene, write_clip
-from streamgrok.model.loader import load_model
 from streamgrok.pipeline import Edge, IngestConfig, Stage, run_chain
 from streamgrok.pipeline.loader import PipelineLoadError, load_pipeline
 from streamgrok.pipeline.pipeline import PipelineRunner
@@ -30,12 +28,6 @@ class Collect:
 
     def kinds(self):
         return {e.kind for e in self.events}
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
 
 
 @pytest.fixture(scope="module")

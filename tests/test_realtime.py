@@ -9,24 +9,16 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import random_model, tiny_config, write_gguf
 from openai import AsyncOpenAI
 from openai.types.realtime.realtime_server_event import RealtimeServerEvent
 from pydantic import TypeAdapter
 from test_openai_api import data_url
 
 from streamgrok.cache.config import CacheConfig
-from streamgrok.model.loader import load_model
 from streamgrok.server.app import ServerConfig, StreamgrokServer
 
 PIPELINE = "pipelines/live_qa.py"
 SCHEMA = TypeAdapter(RealtimeServerEvent)
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
 
 
 async def started(tiny_loaded, transcribe: bool) -> StreamgrokServer:

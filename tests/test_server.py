@@ -9,23 +9,15 @@ import urllib.request
 import cv2
 import numpy as np
 import pytest
-from helpers import random_model, tiny_config, write_gguf
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.media.samples import photo
-from streamgrok.model.loader import load_model
 from streamgrok.server.app import ServerConfig, StreamgrokServer
 from streamgrok.server.protocol import pack_media
 
 PIPELINE = "pipelines/live_qa.py"
-
-
-@pytest.fixture(scope="module")
-def tiny_loaded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
 
 
 @pytest.fixture

@@ -67,17 +67,8 @@ class OpenAIApi:
             stream = await self._chat_answer(chat, request)
         except ApiError as exc:
             return _refused(exc)
-        request_id = new_id("chatcmpl")
-        if chat.stream:
-            return StreamingResponse(self._chat_events(request_id, chat, stream),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        try:
-            text = await stream.text()
-        except ApiError as exc:
-            return _refused(exc)
-        self._observe(stream)
-        return JSONResponse(chat_completion(request_id, self.server.model_name, text,
-                                            _finish(stream), _usage(stream)))
+        return await self._respond(new_id("chatcmpl"), chat, stream, self._chat_events,
+                                   chat_completion)
 
     async def completions(self, request: Request) -> Response:
         try:
@@ -87,17 +78,22 @@ class OpenAIApi:
             stream = self.answer(completion, completion.prompt, request, raw=True)
         except ApiError as exc:
             return _refused(exc)
-        request_id = new_id("cmpl")
-        if completion.stream:
-            return StreamingResponse(self._completion_events(request_id, completion, stream),
+        return await self._respond(new_id("cmpl"), completion, stream,
+                                   self._completion_events, text_completion)
+
+    async def _respond(self, request_id: str, request: GenerationRequest,
+                       stream: AnswerStream, events, whole) -> Response:
+        """SSE events when the request streams, else the whole answer as one object."""
+        if request.stream:
+            return StreamingResponse(events(request_id, request, stream),
                                      media_type="text/event-stream", headers=SSE_HEADERS)
         try:
             text = await stream.text()
         except ApiError as exc:
             return _refused(exc)
         self._observe(stream)
-        return JSONResponse(text_completion(request_id, self.server.model_name, text,
-                                            _finish(stream), _usage(stream)))
+        return JSONResponse(whole(request_id, self.server.model_name, text, _finish(stream),
+                                  _usage(stream)))
 
     # -- requests ----------------------------------------------------------------------
 
