@@ -182,9 +182,7 @@ def quantize_model(model: nn.Module, weights: str) -> nn.Module:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                four = weights == "q4" and fits_q4(*child.weight.shape)
-                kind = Int4Linear if four else Int8Linear  # q4: int8 where int4 cannot go
-                setattr(parent, name, kind(child.weight, child.bias))
+                setattr(parent, name, quantized_rows(child.weight, weights).linear(child.bias))
     return model
 
 
