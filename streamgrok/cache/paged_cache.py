@@ -199,22 +199,13 @@ class PagedKVCache:
         released = 0
         for rec in seq.layers:
             protected = (rec.column(PROTECTED) > 0) & (rec.column(STREAM) >= seq.pinned)
-            released += _unprotect_oldest(rec, int(protected.sum()) - max_protected, seq.pinned)
+            released += unprotect_oldest(rec, int(protected.sum()) - max_protected, seq.pinned)
         return released
 
     def retained(self, seq_id: int, layer: int = 0) -> list[dict]:
         """What a layer still holds of frames, notes and audio: one entry per source/time,
         for the server's timeline of what eviction kept."""
-        rec = self.sequences[seq_id].layers[layer]
-        meta = rec.meta[: rec.length]
-        media = meta[meta[:, MODALITY] != int(Modality.TEXT)]
-        if media.numel() == 0:
-            return []
-        keys, counts = torch.unique(media[:, [MODALITY, SOURCE, TIME]], dim=0,
-                                    return_counts=True)
-        names = {int(m): m.name.lower() for m in Modality}
-        return [{"modality": names[int(k[0])], "source": int(k[1]), "t": float(k[2]),
-                 "tokens": int(c)} for k, c in zip(keys, counts)]
+        return retained_media(self.sequences[seq_id].layers[layer])
 
     @torch.inference_mode()
     def publish_prefix(self, seq_id: int, tokens: Sequence[int]) -> int:
@@ -431,7 +422,7 @@ class PagedKVCache:
             limit = budget if force else budget + self.config.slack
             if rec.length <= limit:
                 continue
-            self.stats.demoted_tokens += _demote_protected(rec, budget, seq.pinned,
+            self.stats.demoted_tokens += demote_protected(rec, budget, seq.pinned,
                                                            self.config.sink_tokens)
             view = LayerView(rec, lambda rec=rec: self.pool.read(rec.slots().to(self.device)))
             keep = select_keep(view, budget, self.scorer, self.config)
@@ -487,39 +478,58 @@ class PagedKVCache:
         return needed
 
     def _append_records(self, seq: SequenceState, info: TokenInfo) -> None:
-        n = len(info)
-        is_frame = info.modality == int(Modality.FRAME)
-        prev_frame = torch.cat([
-            torch.tensor([seq.last_frame_source is not None]), is_frame[:-1]
-        ])
-        prev_source = torch.cat([
-            torch.tensor([-1 if seq.last_frame_source is None else seq.last_frame_source]),
-            info.source[:-1],
-        ])
-        continues = is_frame & prev_frame & (info.source == prev_source)
-        group = seq.next_group + torch.cumsum((~continues).long(), 0) - 1
-        rows = torch.empty(n, META_COLUMNS, dtype=torch.float64)
-        rows[:, 0] = torch.arange(seq.stream_pos, seq.stream_pos + n, dtype=torch.float64)
-        rows[:, 1] = group.double()
-        rows[:, 2] = info.modality.double()
-        rows[:, 3] = info.timestamp.double()
-        rows[:, 4] = info.source.double()
-        rows[:, 5] = info.protected.double()
+        rows = next_stream_rows(seq, info)
         for layer in seq.layers:
             layer.append_meta(rows)
-        seq.stream_pos += n
-        seq.next_group = int(group[-1]) + 1 if n else seq.next_group
-        seq.last_frame_source = int(info.source[-1]) if n and bool(is_frame[-1]) else None
 
 
-def _demote_protected(rec: LayerTokens, budget: int, pinned: int, sinks: int) -> int:
+def next_stream_rows(seq: SequenceState, info: TokenInfo) -> torch.Tensor:
+    """Metadata rows [len(info), META_COLUMNS] of the sequence's next stream tokens (stream
+    index, frame group, modality, time, source, protected); advances its stream counters."""
+    n = len(info)
+    is_frame = info.modality == int(Modality.FRAME)
+    prev_frame = torch.cat([
+        torch.tensor([seq.last_frame_source is not None]), is_frame[:-1]
+    ])
+    prev_source = torch.cat([
+        torch.tensor([-1 if seq.last_frame_source is None else seq.last_frame_source]),
+        info.source[:-1],
+    ])
+    continues = is_frame & prev_frame & (info.source == prev_source)
+    group = seq.next_group + torch.cumsum((~continues).long(), 0) - 1
+    rows = torch.empty(n, META_COLUMNS, dtype=torch.float64)
+    rows[:, 0] = torch.arange(seq.stream_pos, seq.stream_pos + n, dtype=torch.float64)
+    rows[:, 1] = group.double()
+    rows[:, 2] = info.modality.double()
+    rows[:, 3] = info.timestamp.double()
+    rows[:, 4] = info.source.double()
+    rows[:, 5] = info.protected.double()
+    seq.stream_pos += n
+    seq.next_group = int(group[-1]) + 1 if n else seq.next_group
+    seq.last_frame_source = int(info.source[-1]) if n and bool(is_frame[-1]) else None
+    return rows
+
+
+def retained_media(rec: LayerTokens) -> list[dict]:
+    """What a layer's records hold of frames, notes and audio: one entry per source/time."""
+    meta = rec.meta[: rec.length]
+    media = meta[meta[:, MODALITY] != int(Modality.TEXT)]
+    if media.numel() == 0:
+        return []
+    keys, counts = torch.unique(media[:, [MODALITY, SOURCE, TIME]], dim=0, return_counts=True)
+    names = {int(m): m.name.lower() for m in Modality}
+    return [{"modality": names[int(k[0])], "source": int(k[1]), "t": float(k[2]),
+             "tokens": int(c)} for k, c in zip(keys, counts)]
+
+
+def demote_protected(rec: LayerTokens, budget: int, pinned: int, sinks: int) -> int:
     """Unprotect the oldest protected tokens after the pinned prefix until protected tokens
     and attention sinks fit `budget`; returns how many were unprotected."""
     mandatory = (rec.column(PROTECTED) > 0) | (rec.column(STREAM) < sinks)
-    return _unprotect_oldest(rec, int(mandatory.sum()) - budget, max(pinned, sinks))
+    return unprotect_oldest(rec, int(mandatory.sum()) - budget, max(pinned, sinks))
 
 
-def _unprotect_oldest(rec: LayerTokens, count: int, first: int) -> int:
+def unprotect_oldest(rec: LayerTokens, count: int, first: int) -> int:
     """Unprotect up to `count` of the oldest protected tokens at stream index >= `first`."""
     if count <= 0:
         return 0

@@ -1,0 +1,96 @@
+"""The ranks a KV-parallel session is sharded over: a `torch.distributed` process group (gloo
+on CPU, nccl on CUDA) and the few collectives KV parallelism needs, each with a timeout, so a
+rank that fails is reported as an error on the others instead of a hang."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from streamgrok.errors import StreamgrokError
+
+T = TypeVar("T")
+
+
+class KVParallelError(StreamgrokError):
+    """A collective among the KV-parallel ranks failed (a rank exited, hung or timed out)."""
+
+
+@dataclass
+class KVGroup:
+    """This process's place among the KV-parallel ranks. A world of 1 needs no process group
+    (every collective returns its input), so one code path serves both."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str = "none"
+    timeout_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, timeout_s: float = 60.0, backend: str | None = None) -> KVGroup:
+        """Join the ranks `torchrun` (or the caller) describes in RANK, WORLD_SIZE,
+        MASTER_ADDR and MASTER_PORT; a single process when WORLD_SIZE is unset or 1."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda \
+            else torch.device("cpu")
+        if world == 1:
+            return cls(0, 1, device, "none", timeout_s)
+        backend = backend or ("nccl" if cuda else "gloo")
+        if not dist.is_initialized():
+            try:
+                dist.init_process_group(backend, rank=rank, world_size=world,
+                                        timeout=timedelta(seconds=timeout_s))
+            except (RuntimeError, ValueError) as exc:
+                raise KVParallelError(
+                    f"rank {rank} of {world} could not join the KV-parallel group "
+                    f"({backend} at {os.environ.get('MASTER_ADDR')}:"
+                    f"{os.environ.get('MASTER_PORT')}): {exc}"
+                ) from exc
+        return cls(rank, world, device, backend, timeout_s)
+
+    def close(self) -> None:
+        """Leave the process group (nothing to do for a single process)."""
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (all the same shape and dtype), in rank order."""
+        if self.world == 1:
+            return [tensor]
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        self._run("all_gather", lambda: dist.all_gather(parts, tensor))
+        return parts
+
+    def all_gather_rows(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` [n_rank, ...] with its own row count, in rank order."""
+        if self.world == 1:
+            return [tensor]
+        count = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+        counts = [int(c) for c in self.all_gather(count)]
+        padded = tensor.new_zeros((max(counts), *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        return [part[:n] for part, n in zip(self.all_gather(padded), counts)]
+
+    def failed_ranks(self, ok: bool) -> list[int]:
+        """The ranks whose `ok` is False (every rank calls this with its own)."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)
+        return [rank for rank, value in enumerate(self.all_gather(flag)) if int(value) == 0]
+
+    def _run(self, name: str, collective: Callable[[], T]) -> T:
+        try:
+            return collective()
+        except (RuntimeError, dist.DistError) as exc:
+            raise KVParallelError(
+                f"KV-parallel {name} failed on rank {self.rank} of {self.world} "
+                f"(another rank exited or did not answer within {self.timeout_s:g} s): {exc}"
+            ) from exc
