@@ -187,7 +187,8 @@ def _add_bench_commands(commands) -> None:
     _add_model_options(decode)
     kv = benches.add_parser("kv", formatter_class=DEFAULTS,
                             help="KV cache: flat memory, passkey, perplexity, overhead")
-    kv.add_argument("--parts", default="flat,passkey,ppl,overhead", help="which parts to run")
+    kv.add_argument("--parts", default="flat,passkey,ppl,overhead",
+                    help="which parts to run (also: kvp, KV parallelism over local ranks)")
     kv.add_argument("--tokens", type=int, default=100_000, help="tokens streamed (flat part)")
     kv.add_argument("--budget", type=int, default=2048, help="tokens per layer")
     kv.add_argument("--flat-policy", default="h2o", choices=POLICIES,
@@ -199,6 +200,8 @@ def _add_bench_commands(commands) -> None:
     kv.add_argument("--policies", default="sink_window,h2o,snapkv,redundancy,pyramid",
                     help="policies compared")
     kv.add_argument("--ppl-tokens", type=int, default=16_384, help="perplexity text length")
+    kv.add_argument("--kvp-ranks", default="1,2,4", help="rank counts of the kvp part")
+    kv.add_argument("--kvp-contexts", default="1024,4096", help="contexts of the kvp part")
     kv.add_argument("--out", default="bench-results", help="folder for plots")
     _add_model_options(kv)
     kv.set_defaults(dtype="bfloat16")
@@ -355,6 +358,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 budget_fractions=floats(args.budget_fractions),
                 policies=tuple(args.policies.split(",")),
                 ppl_tokens=args.ppl_tokens,
+                kvp_ranks=tuple(int(x) for x in args.kvp_ranks.split(",")),
+                kvp_contexts=tuple(int(x) for x in args.kvp_contexts.split(",")),
+                weights=args.weights,
                 out_dir=Path(args.out),
             ),
         )

@@ -41,6 +41,10 @@ class KvBenchOptions:
     policies: tuple[str, ...] = EVICTING
     ppl_tokens: int = 16_384
     chunk: int = 512
+    kvp_ranks: tuple[int, ...] = (1, 2, 4)
+    kvp_contexts: tuple[int, ...] = (1024, 4096)
+    kvp_decode_steps: int = 8
+    weights: str = "auto"
     out_dir: Path = Path("bench-results")
     results: dict = field(default_factory=dict)
 
@@ -51,12 +55,20 @@ def run_kv_bench(loaded: LoadedModel, options: KvBenchOptions) -> dict:
           f"threads {torch.get_num_threads()}")
     options.out_dir.mkdir(parents=True, exist_ok=True)
     runners = {"flat": flat_memory, "passkey": passkey, "ppl": perplexity,
-               "overhead": eviction_overhead}
+               "overhead": eviction_overhead, "kvp": kv_parallel}
     for part in options.parts:
         if part not in runners:
             raise ValueError(f"unknown bench kv part {part!r} (choose from {', '.join(runners)})")
         options.results[part] = runners[part](loaded, options)
     return options.results
+
+
+def kv_parallel(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """Decode step time with one sequence's KV sharded over 1, 2, 4 ranks (see bench.kvp)."""
+    from streamgrok.bench.kvp import run_kvp
+
+    return run_kvp(loaded, options.weights, options.kvp_ranks, options.kvp_contexts,
+                   options.kvp_decode_steps, options.chunk, options.out_dir)
 
 
 def _cache(loaded: LoadedModel, policy: str, budget: int | None, memory_gib: float = 1.0,

@@ -43,7 +43,8 @@ class StreamResult:
     evicted_tokens: int
     lengths: list[list[int]]  # final cached tokens per sequence and layer
     decode_seconds: list[float]
-    exchanged_bytes: int
+    exchanged_bytes: int  # sent by this rank in collectives, all steps
+    decode_exchanged_bytes: int  # of which during the decode steps
 
 
 def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
@@ -69,6 +70,7 @@ def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
 
     for index, chunk in enumerate(scenario.chunks):
         logits = step(chunk, index)
+    sent_before_decode = getattr(cache, "exchanged_bytes", 0)
     for _ in range(scenario.decode_steps):
         started = time.perf_counter()
         logits = step([token[None] for token in logits.argmax(-1)])
@@ -79,6 +81,7 @@ def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
         lengths=[cache.layer_lengths(s) for s in range(sequences)],
         decode_seconds=seconds,
         exchanged_bytes=getattr(cache, "exchanged_bytes", 0),
+        decode_exchanged_bytes=getattr(cache, "exchanged_bytes", 0) - sent_before_decode,
     )
 
 
@@ -133,6 +136,8 @@ def run_ranks(world: int, build_model: Callable[[], Transformer], scenario: Stre
               if isinstance(value, str)]
     if errors:
         raise KVParallelError("; ".join(errors))
+    for result in got.values():
+        result.logits = torch.from_numpy(result.logits)
     return [got[rank] for rank in sorted(got)]
 
 
@@ -152,7 +157,11 @@ def _rank_main(rank: int, world: int, port: int, build_model, scenario: StreamSc
         cache = KVParallelCache(model.config, group, scenario.cache_config, model.dtype,
                                 model.device, num_pages=scenario.num_pages,
                                 kernels=model.kernels)
-        results.put((rank, run_stream(model, cache, scenario)))
+        result = run_stream(model, cache, scenario)
+        # numpy pickles by value: a tensor would go as a shared-memory handle that dies
+        # with this process
+        result.logits = result.logits.numpy()
+        results.put((rank, result))
     except Exception as exc:  # reported to the parent, which raises it
         results.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"))
     finally:
