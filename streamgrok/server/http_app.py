@@ -72,7 +72,7 @@ def build_app(server: StreamgrokServer) -> Starlette:
         if not server.accepting:
             return JSONResponse({"status": "draining"}, 503)
         return JSONResponse({"status": "ok", "model": server.model_name,
-                             "sessions": server.active_sessions})
+                             "sessions": server.active_sessions, "replica": server.replica})
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": streamgrok.__version__})

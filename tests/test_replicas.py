@@ -1,0 +1,189 @@
+"""Two `streamgrok serve` replicas behind nginx with the shipped recipe
+(deploy/nginx/streamgrok.conf): each session stays on one replica, HTTP questions about a live
+stream reach its replica, and a replica going away fails only its own sessions, which
+reconnect onto the other."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from helpers import random_model, tiny_config, write_gguf
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+RECIPE = Path(__file__).parents[1] / "deploy" / "nginx" / "streamgrok.conf"
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get "
+                                "install nginx-light; `make test` installs it as root)")
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    return write_gguf(path, random_model(tiny_config(max_positions=4096)))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def start_replica(model: Path, name: str) -> tuple[asyncio.subprocess.Process, int]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "streamgrok", "serve", "pipelines/live_qa.py", "--port", "0",
+        "--model", str(model), "--kv-budget", "512", "--kv-memory-gib", "0.05",
+        "--set", "transcribe=false", "--replica-name", name, "--load-tick", "0",
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    while True:
+        line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode()
+        assert line, f"replica {name} exited before serving"
+        if match := re.search(r"on http://127\.0\.0\.1:(\d+)/", line):
+            return process, int(match.group(1))
+
+
+def start_nginx(folder: Path, listen: int, replicas: list[int]) -> subprocess.Popen:
+    """nginx with the shipped recipe, its listen port and upstream servers swapped in."""
+    recipe = RECIPE.read_text().replace("listen 127.0.0.1:8800;", f"listen 127.0.0.1:{listen};")
+    upstreams = "".join(f"    server 127.0.0.1:{port} max_fails=1 fail_timeout=10s;\n"
+                        for port in replicas)
+    recipe, count = re.subn(r"(    server 127\.0\.0\.1:880\d[^\n]*\n)+", upstreams, recipe)
+    assert count == 1, "the recipe's upstream block changed: update this test"
+    (folder / "streamgrok.conf").write_text(recipe)
+    temps = "\n".join(f"  {kind}_temp_path {folder / kind};"
+                      for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    (folder / "nginx.conf").write_text(
+        f"worker_processes 1;\ndaemon off;\npid {folder / 'nginx.pid'};\n"
+        f"error_log {folder / 'error.log'} warn;\nevents {{ worker_connections 256; }}\n"
+        f"http {{\n  access_log off;\n{temps}\n  include {folder / 'streamgrok.conf'};\n}}\n")
+    folder.chmod(0o755)  # nginx workers drop root for nobody
+    return subprocess.Popen([NGINX, "-e", "stderr", "-p", str(folder), "-c",
+                             str(folder / "nginx.conf")], stderr=subprocess.PIPE)
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+async def wait_healthy(port: int, nginx: subprocess.Popen) -> None:
+    for _ in range(100):
+        assert nginx.poll() is None, nginx.stderr.read().decode()
+        try:
+            if (await asyncio.to_thread(get_json, f"http://127.0.0.1:{port}/health"))["status"] \
+                    == "ok":
+                return
+        except OSError:
+            pass
+        await asyncio.sleep(0.1)
+    raise AssertionError("nginx never answered /health")
+
+
+async def recv_until(ws, kind: str, predicate=lambda m: True, limit: int = 500) -> dict:
+    for _ in range(limit):
+        message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+        if message["type"] == kind and predicate(message):
+            return message
+    raise AssertionError(f"no {kind}")
+
+
+async def open_session(port: int, key: str):
+    ws = await connect(f"ws://127.0.0.1:{port}/ws?affinity={key}")
+    await ws.send(json.dumps({"type": "session.start", "id": key}))
+    started = await recv_until(ws, "session.started")
+    return ws, started
+
+
+async def ask(ws, text: str) -> dict:
+    await ws.send(json.dumps({"type": "query", "id": text, "text": text}))
+    return await recv_until(ws, "response.done", lambda m: m.get("query_id") == text)
+
+
+def chat_about(port: int, key: str, session_id: int) -> int:
+    body = json.dumps({"model": "tiny", "max_tokens": 3,
+                       "messages": [{"role": "user", "content": "what is on screen?"}]})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(), method="POST",
+        headers={"Content-Type": "application/json", "X-Streamgrok-Affinity": key,
+                 "X-Streamgrok-Session": str(session_id)})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.status
+
+
+async def test_sessions_keep_their_replica_and_survive_the_other_going_away(tiny_gguf,
+                                                                            tmp_path):
+    (a, port_a), (b, port_b) = await asyncio.gather(start_replica(tiny_gguf, "rA"),
+                                                    start_replica(tiny_gguf, "rB"))
+    proxy = free_port()
+    nginx = start_nginx(tmp_path, proxy, [port_a, port_b])
+    sockets = []
+    try:
+        await wait_healthy(proxy, nginx)
+        # keys until both replicas hold sessions (where a key lands depends on the ports)
+        home: dict[str, str] = {}
+        sessions: dict[str, tuple] = {}
+        for i in range(40):
+            key = f"camera-{i}"
+            ws, started = await open_session(proxy, key)
+            sockets.append(ws)
+            home[key], sessions[key] = started["replica"], (ws, started["session_id"])
+            if len(set(home.values())) == 2 and i >= 5:
+                break
+        assert set(home.values()) == {"rA", "rB"}
+
+        # the same key lands on the same replica again (a second connection, a reconnect)
+        for key in list(home)[:4]:
+            ws, started = await open_session(proxy, key)
+            sockets.append(ws)
+            assert started["replica"] == home[key]
+
+        # an HTTP question about a live stream reaches that stream's session: its websocket
+        # sees the question answered (session ids repeat across replicas, so a wrong replica
+        # would answer some other session or none)
+        for replica in ("rA", "rB"):
+            key = next(k for k, r in home.items() if r == replica)
+            ws, session_id = sessions[key]
+            assert await asyncio.to_thread(chat_about, proxy, key, session_id) == 200
+            done = await recv_until(ws, "response.done",
+                                    lambda m: str(m.get("query_id", "")).startswith("http-"))
+            assert done["query_id"].startswith("http-")
+
+        # replica A goes away: only its sessions end; B's sessions keep answering
+        a.send_signal(signal.SIGKILL)
+        await a.wait()
+        for key, replica in home.items():
+            ws, _ = sessions[key]
+            if replica == "rA":
+                with pytest.raises(ConnectionClosed):
+                    while True:
+                        await asyncio.wait_for(ws.recv(), 30)
+            else:
+                assert (await ask(ws, f"still there {key}?"))["finish_reason"] in ("stop",
+                                                                                    "length")
+        # A's clients reconnect with their keys and land on B
+        for key in [k for k, r in home.items() if r == "rA"]:
+            ws, started = await open_session(proxy, key)
+            sockets.append(ws)
+            assert started["replica"] == "rB"
+            assert (await ask(ws, "back?"))["finish_reason"] in ("stop", "length")
+    finally:
+        for ws in sockets:
+            await ws.close()
+        nginx.terminate()
+        nginx.wait(timeout=10)
+        for process in (a, b):
+            if process.returncode is None:
+                process.terminate()
+                await process.wait()
