@@ -136,3 +136,58 @@ def test_engine_on_two_ranks_answers_like_one_process(tiny_loaded):
     assert got[1] == "followed until stopped"
     assert got[0] == alone
     assert all(answer for answer in alone)
+
+
+def test_serve_kv_parallel_without_torchrun_says_how_to_start_it(capsys, monkeypatch):
+    from streamgrok.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["serve", "--kv-parallel", "2", "--port", "0"]) != 0
+    assert "torchrun --nproc-per-node 2 -m streamgrok serve --kv-parallel 2" in \
+        capsys.readouterr().err
+
+
+def test_serve_kv_parallel_under_torchrun_answers_like_one_process(tiny_loaded):
+    import json
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    from streamgrok.bench.kv_ranks import _free_port
+
+    def start(launcher: list[str], *extra: str) -> tuple[subprocess.Popen, int]:
+        process = subprocess.Popen(
+            [*launcher, "-m", "streamgrok", "serve", "--port", "0", "--model",
+             str(tiny_loaded.source), "--set", "transcribe=false", "--load-tick", "0",
+             "--kv-memory-gib", "0.05", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for line in process.stdout:
+            if match := re.search(r"on http://127\.0\.0\.1:(\d+)/", line):
+                return process, int(match.group(1))
+        raise AssertionError(f"server exited: {process.wait()}")
+
+    def ask(port: int) -> str:
+        body = json.dumps({"model": "tiny", "max_tokens": 12, "temperature": 0, "messages": [
+            {"role": "user", "content": "hello there, how are you doing today?"}]})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                         body.encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["choices"][0]["message"]["content"]
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    sharded, port = start([torchrun, "--nproc-per-node", "2", "--master-port",
+                           str(_free_port())], "--kv-parallel", "2")
+    single, single_port = start([sys.executable])
+    try:
+        assert ask(port) == ask(single_port)
+    finally:
+        sharded.send_signal(signal.SIGTERM)
+        single.send_signal(signal.SIGTERM)
+        output = sharded.communicate(timeout=60)[0]
+        single.wait(timeout=60)
+    assert "rank 1 exits" in output  # rank 0 drained, then stopped its follower
