@@ -7,11 +7,6 @@ import os
 import sys
 from collections.abc import Callable
 
-# Idle torch worker threads must not spin while another process or thread needs the cores.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
 DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
@@ -524,8 +519,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _process_defaults() -> None:
+    """Environment defaults of a command's process, set before torch loads (so not at import:
+    processes spawned from this module, such as benchmark workers, choose their own)."""
+    # idle torch worker threads must not spin while another process or thread needs the cores
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `streamgrok` console script."""
+    _process_defaults()
     from streamgrok.cli_sources import apply_sources, read_config
     from streamgrok.errors import StreamgrokError
 

@@ -6,13 +6,13 @@ by llama.cpp's own benchmarks on the same GGUF and threads. Ratios are from the 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from streamgrok.bench.llama_cpp_peer import PeerUnavailable, find_binaries, run_peer
+from streamgrok.bench.timing import measurement_env
 
 
 def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
@@ -52,16 +52,6 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
     _print_table(columns, batches, context)
     _plot(columns, batches, Path(out))
     return columns
-
-
-def measurement_env() -> dict[str, str]:
-    """The environment of the measured processes (ours and the peer's): OpenMP's default
-    wait policy. The command line sets OMP_WAIT_POLICY=PASSIVE so that idle threads never
-    spin beside the server's media workers; on these 2 cores it makes a batch-1 step about 3x
-    slower for both systems (q8 26.8 -> 9.0 tok/s, llama.cpp 89 -> 28 tok/s measured)."""
-    env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    return env
 
 
 def _worker(spec: dict, scratch: Path) -> dict:

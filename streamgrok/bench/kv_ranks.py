@@ -103,10 +103,12 @@ def run_single(model: Transformer, scenario: StreamScenario) -> StreamResult:
 
 def run_ranks(world: int, build_model: Callable[[], Transformer], scenario: StreamScenario,
               timeout_s: float = 120.0, fail_rank: int | None = None, failure: str = "exit",
-              threads: int = 1) -> list[StreamResult]:
+              threads: int = 1, env: dict[str, str] | None = None) -> list[StreamResult]:
     """The scenario on `world` processes sharing one KV-parallel cache; each rank's result,
     in rank order. `fail_rank` makes that rank exit ("exit") or stop answering ("stall")
     before its first step, to test that the others report an error instead of hanging.
+    With `world` 1 the one process runs a plain `PagedKVCache` (the baseline). `env` is the
+    rank processes' environment (default: this one's).
     Raises KVParallelError naming the ranks that failed."""
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -115,8 +117,16 @@ def run_ranks(world: int, build_model: Callable[[], Transformer], scenario: Stre
                              args=(rank, world, port, build_model, scenario, results,
                                    timeout_s, failure if rank == fail_rank else None, threads))
              for rank in range(world)]
-    for proc in procs:
-        proc.start()
+    saved = dict(os.environ)
+    try:
+        if env is not None:  # a spawned process starts with this process's os.environ
+            os.environ.clear()
+            os.environ.update(env)
+        for proc in procs:
+            proc.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     got: dict[int, StreamResult | str] = {}
     deadline = time.monotonic() + timeout_s * 3
     try:
@@ -154,10 +164,13 @@ def _rank_main(rank: int, world: int, port: int, build_model, scenario: StreamSc
         if failure == "stall":
             time.sleep(timeout_s * 10)
         model = build_model()
-        cache = KVParallelCache(model.config, group, scenario.cache_config, model.dtype,
-                                model.device, num_pages=scenario.num_pages,
-                                kernels=model.kernels)
-        result = run_stream(model, cache, scenario)
+        if world == 1:
+            result = run_single(model, scenario)
+        else:
+            cache = KVParallelCache(model.config, group, scenario.cache_config, model.dtype,
+                                    model.device, num_pages=scenario.num_pages,
+                                    kernels=model.kernels)
+            result = run_stream(model, cache, scenario)
         # numpy pickles by value: a tensor would go as a shared-memory handle that dies
         # with this process
         result.logits = result.logits.numpy()

@@ -2,10 +2,11 @@
 projection of what the same sharding gives on GPUs.
 
 Measured: one sequence prefilled to each context (full cache, real text), then greedy decode
-steps; the decode step time with 1 rank (a plain `PagedKVCache` in this process: the
-baseline) and with N gloo ranks on this machine (threads split between them), and the bytes
-each rank sends per decoded token. Projected: time per token for a Llama-3-8B shape on H200s
-from a bandwidth model whose inputs are printed (no GPU measured them here)."""
+steps; the decode step time with 1 rank (a plain `PagedKVCache`: the baseline) and with N
+gloo ranks on this machine (threads split between them), every one in its own process with
+OpenMP's default wait policy, and the bytes each rank sends per decoded token.
+Projected: time per token for a Llama-3-8B shape on H200s from a bandwidth model whose inputs
+are printed (no GPU measured them here)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import torch
 from tqdm import tqdm
 
 from streamgrok.bench.corpus import stdlib_text
-from streamgrok.bench.kv_ranks import StreamResult, StreamScenario, run_ranks, run_single
-from streamgrok.bench.timing import median
+from streamgrok.bench.kv_ranks import StreamResult, StreamScenario, run_ranks
+from streamgrok.bench.timing import measurement_env, median
 from streamgrok.cache.config import CacheConfig
 from streamgrok.model.llama import Transformer
 from streamgrok.model.loader import LoadedModel, load_model
@@ -62,11 +63,8 @@ def run_kvp(loaded: LoadedModel, weights: str, ranks: tuple[int, ...],
         scenario = StreamScenario(chunks, decode_steps,
                                   CacheConfig(policy="full", budget_tokens=None), pages)
         threads = max(1, cores // world)
-        if world == 1:
-            torch.set_num_threads(cores)
-            result = run_single(loaded.model, scenario)
-        else:
-            result = run_ranks(world, build, scenario, timeout_s=600, threads=threads)[0]
+        result = run_ranks(world, build, scenario, timeout_s=1800, threads=threads,
+                           env=measurement_env())[0]
         rows.append(_row(loaded, context, world, threads, result, decode_steps))
     _print_table(loaded, rows, cores)
     projection = project(GpuShape(), (131_072, 1_048_576, 10_485_760), (1, 2, 4, 8, 16))

@@ -68,7 +68,7 @@ def run_peer(binaries: dict[str, Path], model: Path, threads: int, prompt_tokens
 
 def _run(command: list[str]) -> PeerRun:
     """Run a peer program, polling its peak RSS; its stdout is the result."""
-    from streamgrok.bench.decode import measurement_env
+    from streamgrok.bench.timing import measurement_env
 
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=measurement_env())
