@@ -72,6 +72,14 @@ def test_a_failing_rank_is_reported_not_a_hang(failure):
         run_ranks(2, BUILD, plan, timeout_s=5, fail_rank=1, failure=failure)
 
 
+def test_out_of_pages_on_a_rank_fails_the_step_on_every_rank_without_a_hang():
+    plan = scenario("full", None, [[40], [200]], decode=1)
+    plan.num_pages = 12  # 2 layers: the first chunk fits on both ranks, the second does not
+    with pytest.raises(KVParallelError, match=r"CacheFullError: KV cache out of pages on "
+                                              r"rank\(s\) \[0, 1\] of 2"):
+        run_ranks(2, BUILD, plan, timeout_s=30)
+
+
 def test_one_rank_kv_parallel_cache_is_the_paged_cache():
     plan = scenario("h2o", 96, STEPS[:4], decode=3)
     base = run_single(BUILD(), plan)

@@ -265,7 +265,7 @@ class KVParallelCache:
         spans = batch.spans()
         if len({s for s, _, _ in spans}) != len(spans):
             raise ValueError("a batch may hold each sequence once")
-        if self.local._reservation is None:
+        if not self.local.reserved:
             self.reserve({s: n for s, _, n in spans})
         info = batch.token_info or TokenInfo.text(batch.num_tokens)
         layers = len(self.budgets)
@@ -335,15 +335,14 @@ class KVParallelCache:
     def _record_mass(self, layer: int, spans: list[ShardSpan], partials: list[ShardPartial],
                      lse: torch.Tensor) -> None:
         window = self.scorer.observation_window
-        reservation = self.local._reservation
         for span, part in zip(spans, partials):
             if span.key_slots.numel() == 0:
                 continue
             queries = span.rows.stop - span.rows.start
             observed = 1 if queries == 1 else min(queries, window or queries)
             mass = shard_mass(part.scores, lse[span.rows], observed)
-            rec = self.local.sequences[span.seq_id].layers[layer]
-            reservation.masses.append((rec, mass, observed))
+            self.local.observe_mass(self.local.sequences[span.seq_id].layers[layer], mass,
+                                    observed)
 
     # -- eviction --------------------------------------------------------------------------
 
@@ -391,7 +390,7 @@ class KVParallelCache:
             kept = torch.zeros(whole.length, dtype=torch.bool)
             kept[keep] = True
             local = self.local.sequences[seq_id].layers[layer]
-            self.local._compact(local, torch.nonzero(kept[positions]).flatten())
+            self.local.compact_layer(local, torch.nonzero(kept[positions]).flatten())
             removed = whole.length - keep.numel()
             whole.keep_only(keep)
             self.stats.evicted_by_layer[layer] += removed

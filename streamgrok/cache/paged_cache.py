@@ -371,11 +371,22 @@ class PagedKVCache:
         out[group.rows] = result.to(out.dtype)
         if mass is not None:  # scores stay on the device: no sync per layer
             for i, (seq_id, total) in enumerate(zip(group.seq_ids, group.totals[layer])):
-                rec = self.sequences[seq_id].layers[layer]
-                if self._reservation is None:
-                    self._accumulate(rec, mass[i, :total], observed[i])
-                else:  # applied by commit, so a failed step leaves the scores as they were
-                    self._reservation.masses.append((rec, mass[i, :total], observed[i]))
+                self.observe_mass(self.sequences[seq_id].layers[layer], mass[i, :total],
+                                  observed[i])
+
+    @property
+    def reserved(self) -> bool:
+        """Whether a step's reservation is open (between `reserve` and commit/rollback)."""
+        return self._reservation is not None
+
+    def observe_mass(self, rec: LayerTokens, mass: torch.Tensor, queries: int) -> None:
+        """Attention mass `queries` queries gave the layer's tokens: added to their scores
+        now, or by `commit` when a reservation is open (so a failed step leaves the scores
+        as they were)."""
+        if self._reservation is None:
+            self._accumulate(rec, mass, queries)
+        else:
+            self._reservation.masses.append((rec, mass, queries))
 
     def _accumulate(self, rec: LayerTokens, mass: torch.Tensor, queries: int) -> None:
         n = mass.shape[0]
@@ -427,12 +438,12 @@ class PagedKVCache:
             view = LayerView(rec, lambda rec=rec: self.pool.read(rec.slots().to(self.device)))
             keep = select_keep(view, budget, self.scorer, self.config)
             removed = rec.length - keep.numel()
-            self._compact(rec, keep)
+            self.compact_layer(rec, keep)
             self.stats.evicted_by_layer[index] += removed
             evicted += removed
         return evicted
 
-    def _compact(self, rec: LayerTokens, keep: torch.Tensor) -> None:
+    def compact_layer(self, rec: LayerTokens, keep: torch.Tensor) -> None:
         """Move kept tokens to the front of the layer's pages on the device; free the emptied
         tail pages and copy shared pages on write.
 
