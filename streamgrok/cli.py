@@ -100,6 +100,9 @@ def _add_serve_command(commands) -> None:
                      help="engine: tokens (decode + prefill) per step")
     srv.add_argument("--nano-batches", type=int, default=1,
                      help="engine: split each step this many ways")
+    srv.add_argument("--small-step-threads", type=int, default=None,
+                     help="engine: CPU threads of decode steps (default: one fewer than "
+                          "--threads; prefill steps use --threads)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight answers may finish after SIGTERM/SIGINT")
     srv.add_argument("--media-workers", type=int, default=2,
@@ -216,6 +219,9 @@ def _add_bench_commands(commands) -> None:
     serve.add_argument("--baseline-sessions", type=int, default=4,
                        help="sessions of the one-at-a-time baseline")
     serve.add_argument("--nano-batches", type=int, default=1, help="engine nano-batches")
+    serve.add_argument("--small-step-threads", default="auto",
+                       help="threads of decode steps on CPU, comma-separated to compare in "
+                            "one run (auto: one fewer than --threads)")
     _add_model_options(serve)
     kernels = benches.add_parser(
         "kernels", formatter_class=DEFAULTS,
@@ -400,7 +406,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from streamgrok.bench.serve import run_serve_bench
 
         run_serve_bench(_load(args), [int(x) for x in args.sessions.split(",")],
-                        args.max_tokens, args.baseline_sessions, args.nano_batches)
+                        args.max_tokens, args.baseline_sessions, args.nano_batches,
+                        tuple(None if x == "auto" else int(x)
+                              for x in args.small_step_threads.split(",")))
         return 0
     raise AssertionError(args.bench)
 
@@ -448,7 +456,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
                         memory_gib=args.kv_memory_gib)
     engine = EngineConfig(max_batch=args.max_batch, step_tokens=args.step_tokens,
-                          nano_batches=args.nano_batches)
+                          nano_batches=args.nano_batches,
+                          small_step_threads=args.small_step_threads)
     group = _kv_parallel_group(args)
     if group is not None and group.rank > 0:
         from streamgrok.engine.kv_leader import follow

@@ -27,7 +27,7 @@ from streamgrok.engine.config import EngineConfig
 from streamgrok.engine.kv_leader import LeaderCache, LeaderModel, kv_parallel_cache, stop_followers
 from streamgrok.engine.metrics import EngineStats
 from streamgrok.engine.pending import AppendItem, PendingQueue, QuestionMarker
-from streamgrok.engine.runner import ModelRunner
+from streamgrok.engine.runner import ModelRunner, StepThreads
 from streamgrok.engine.scheduler import Scheduler
 from streamgrok.engine.session import Answer, Session
 from streamgrok.engine.state import AnswerState, SessionState
@@ -74,8 +74,11 @@ class Engine:
         self._ids = itertools.count(1)
         self.scheduler = Scheduler(self.config, self.cache, self._ids,
                                    self._end_of_turn_tokens(), self.protected_limit())
+        threads = (StepThreads.for_cpu(self.config.small_step_threads,
+                                       self.config.small_step_tokens)
+                   if loaded.model.device.type == "cpu" else None)
         self.runner = ModelRunner(model, self.cache, self.config.nano_batches,
-                                  self.config.length_ratio)
+                                  self.config.length_ratio, threads)
         self._session_slots = threading.BoundedSemaphore(self.config.max_sessions)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._snapshot = self.scheduler.snapshot()
@@ -295,6 +298,8 @@ class Engine:
                     self._wakeup.clear()
             self.scheduler.close_all()
             self._publish()
+        if self.runner.threads is not None:
+            self.runner.threads.restore()
 
     def _iterate(self, idle: bool) -> bool:
         """One round: commands, then schedule -> run -> update -> evict (the caller then

@@ -18,12 +18,39 @@ from streamgrok.stream_tokens import TokenInfo
 log = logging.getLogger(__name__)
 
 
+class StepThreads:
+    """Torch CPU threads per step: `small` for steps of at most `small_tokens` tokens
+    (decode, memory-bound), `large` for the rest (prefill, compute-bound). Set on the engine
+    thread, only when it changes."""
+
+    def __init__(self, small: int, large: int, small_tokens: int) -> None:
+        self.small, self.large, self.small_tokens = max(1, small), max(1, large), small_tokens
+        self.current = torch.get_num_threads()
+
+    @classmethod
+    def for_cpu(cls, small: int | None, small_tokens: int) -> StepThreads:
+        """Steps use torch's configured threads; small ones `small` (default one fewer)."""
+        large = torch.get_num_threads()
+        return cls(large - 1 if small is None else small, large, small_tokens)
+
+    def restore(self) -> None:
+        """Back to the step threads (torch's thread count is process-wide)."""
+        self.use_for(self.small_tokens + 1)
+
+    def use_for(self, tokens: int) -> None:
+        wanted = self.small if tokens <= self.small_tokens else self.large
+        if wanted != self.current:
+            torch.set_num_threads(wanted)
+            self.current = wanted
+
+
 class ModelRunner:
     """Runs one engine step on the model and returns a sampled token per sampling span."""
 
     def __init__(self, model: Transformer, backend: PagedKVCache, nano_batches: int = 1,
-                 length_ratio: float = 0.8) -> None:
+                 length_ratio: float = 0.8, threads: StepThreads | None = None) -> None:
         self.model = model
+        self.threads = threads
         self.backend = backend
         self.nano_batches = nano_batches
         self.length_ratio = length_ratio
@@ -55,6 +82,8 @@ class ModelRunner:
         return sampled, failed
 
     def _run_reserved(self, plan: StepPlan) -> dict[int, int]:
+        if self.threads is not None:
+            self.threads.use_for(sum(len(span) for span in plan.spans))
         self.backend.reserve(plan.token_counts())
         try:
             sampled = self.run(plan)
