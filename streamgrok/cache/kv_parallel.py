@@ -18,7 +18,6 @@ copy-on-write compaction). Prefix sharing is not used under KVP (`add_sequence` 
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from streamgrok.cache.paged_cache import (
     PagedKVCache,
     SequenceState,
     demote_protected,
+    evict_each,
     next_stream_rows,
     retained_media,
     unprotect_oldest,
@@ -357,20 +357,8 @@ class KVParallelCache:
         selects the same tokens and compacts its own pages."""
         if not self.config.evicts:
             return 0
-        evicted = 0
-        started = time.perf_counter()
-        for seq_id in seq_ids if seq_ids is not None else list(self.sequences):
-            try:
-                evicted += self._evict_sequence(seq_id, force)
-            except CacheFullError as exc:
-                if failed is None:
-                    raise
-                failed[seq_id] = exc
-        if evicted:
-            self.stats.eviction_passes += 1
-            self.stats.evicted_tokens += evicted
-            self.stats.eviction_seconds += time.perf_counter() - started
-        return evicted
+        return evict_each(seq_ids if seq_ids is not None else list(self.sequences),
+                          lambda seq_id: self._evict_sequence(seq_id, force), self.stats, failed)
 
     def _evict_sequence(self, seq_id: int, force: bool) -> int:
         seq = self.sequences[seq_id]

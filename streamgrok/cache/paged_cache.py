@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -412,20 +412,9 @@ class PagedKVCache:
         """
         if not self.config.evicts:
             return 0
-        evicted = 0
-        started = time.perf_counter()
-        for seq_id in seq_ids if seq_ids is not None else list(self.sequences):
-            try:
-                evicted += self._evict_sequence(self.sequences[seq_id], force)
-            except CacheFullError as exc:
-                if failed is None:
-                    raise
-                failed[seq_id] = exc
-        if evicted:
-            self.stats.eviction_passes += 1
-            self.stats.evicted_tokens += evicted
-            self.stats.eviction_seconds += time.perf_counter() - started
-        return evicted
+        return evict_each(seq_ids if seq_ids is not None else list(self.sequences),
+                          lambda seq_id: self._evict_sequence(self.sequences[seq_id], force),
+                          self.stats, failed)
 
     def _evict_sequence(self, seq: SequenceState, force: bool) -> int:
         evicted = 0
@@ -492,6 +481,26 @@ class PagedKVCache:
         rows = next_stream_rows(seq, info)
         for layer in seq.layers:
             layer.append_meta(rows)
+
+
+def evict_each(seq_ids: Sequence[int], evict_one: Callable[[int], int], stats: CacheStats,
+               failed: dict[int, Exception] | None) -> int:
+    """`evict_one(seq_id)` for each sequence, counted as one pass in `stats`; a sequence
+    that cannot be evicted goes to `failed` (seq id -> error) when given, else raises."""
+    evicted = 0
+    started = time.perf_counter()
+    for seq_id in seq_ids:
+        try:
+            evicted += evict_one(seq_id)
+        except CacheFullError as exc:
+            if failed is None:
+                raise
+            failed[seq_id] = exc
+    if evicted:
+        stats.eviction_passes += 1
+        stats.evicted_tokens += evicted
+        stats.eviction_seconds += time.perf_counter() - started
+    return evicted
 
 
 def next_stream_rows(seq: SequenceState, info: TokenInfo) -> torch.Tensor:
