@@ -101,8 +101,8 @@ def _add_serve_command(commands) -> None:
     srv.add_argument("--nano-batches", type=int, default=1,
                      help="engine: split each step this many ways")
     srv.add_argument("--small-step-threads", type=int, default=None,
-                     help="engine: CPU threads of decode steps (default: one fewer than "
-                          "--threads; prefill steps use --threads)")
+                     help="engine: CPU threads of steps of <= 32 tokens (decode; default: "
+                          "--threads, like prefill steps)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight answers may finish after SIGTERM/SIGINT")
     srv.add_argument("--media-workers", type=int, default=2,
@@ -221,7 +221,7 @@ def _add_bench_commands(commands) -> None:
     serve.add_argument("--nano-batches", type=int, default=1, help="engine nano-batches")
     serve.add_argument("--small-step-threads", default="auto",
                        help="threads of decode steps on CPU, comma-separated to compare in "
-                            "one run (auto: one fewer than --threads)")
+                            "one run, e.g. 2,1,2,1 (auto: --threads)")
     _add_model_options(serve)
     kernels = benches.add_parser(
         "kernels", formatter_class=DEFAULTS,

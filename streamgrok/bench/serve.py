@@ -142,20 +142,30 @@ async def _bench(loaded: LoadedModel, counts: list[int], max_tokens: int, baseli
     return out
 
 
+async def _warm_up(loaded: LoadedModel, cache: CacheConfig, config: EngineConfig,
+                   sessions: int, max_tokens: int) -> None:
+    async with Engine(loaded, cache, config) as engine:
+        await _run(engine, sessions, True, max_tokens)
+
+
 def run_serve_bench(loaded: LoadedModel, counts: list[int], max_tokens: int = 24,
                     baseline_cap: int = 4, nano_batches: int = 1,
                     small_step_threads: tuple[int | None, ...] = (None,)) -> dict:
     """Print the serving table; the baseline runs `baseline_cap` sessions one at a time.
     Each `small_step_threads` value (threads of decode steps on CPU; None: the engine's
-    default) gets its own engine, baseline and table, in this one run."""
+    default) gets its own engine, baseline and table, in this one run, after an untimed
+    warm-up engine (repeat a value, e.g. 2,1,2,1, to see the run-to-run spread)."""
     threads = torch.get_num_threads()
     print(f"model {loaded.source.name}  dtype {str(loaded.model.dtype).removeprefix('torch.')}  "
           f"threads {threads}  answer tokens {max_tokens}  nano-batches {nano_batches}")
     cache = CacheConfig(budget_tokens=1024, memory_gib=2.0)
     out = {}
+    if len(small_step_threads) > 1:  # the process's first engine pays warm-ups the rest do not
+        asyncio.run(_warm_up(loaded, cache, EngineConfig(nano_batches=nano_batches),
+                             max(counts), max_tokens))
     for small in small_step_threads:
         config = EngineConfig(nano_batches=nano_batches, small_step_threads=small)
-        label = max(1, threads - 1) if small is None else small
+        label = threads if small is None else small
         print(f"\n[steps of <= {config.small_step_tokens} tokens on {label} thread(s), larger "
               f"on {threads}]")
         out[label] = asyncio.run(_bench(loaded, counts, max_tokens, baseline_cap, cache,

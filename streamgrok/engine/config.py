@@ -38,10 +38,10 @@ class EngineConfig:
     max_protected_fraction: float = 0.5
     max_sessions: int = 256
     recent_steps: int = 1024  # step records kept for the p50/p95 step-time stats
-    # CPU threads of small steps (decode): None = one fewer than the step threads. The engine
-    # runs on its own thread, beside the event loop's; OpenMP stops spinning (so each
-    # parallel region wakes its workers from sleep) once it manages more threads than there
-    # are cores, which made 2-thread decode steps slower than 1-thread ones on 2 cores.
+    # CPU threads of small steps (decode); None = the step threads. On the engine's own
+    # thread OpenMP stops spinning once it manages more threads than cores, and bare decode
+    # steps ran faster on 1 thread than 2 on 2 cores, but `bench serve` at 8 live sessions
+    # did not get faster (README, CPU decode): so this is opt-in.
     small_step_threads: int | None = None
     small_step_tokens: int = 32  # steps of at most this many tokens are small
 

@@ -29,9 +29,9 @@ class StepThreads:
 
     @classmethod
     def for_cpu(cls, small: int | None, small_tokens: int) -> StepThreads:
-        """Steps use torch's configured threads; small ones `small` (default one fewer)."""
+        """Steps use torch's configured threads; small ones `small` (default: the same)."""
         large = torch.get_num_threads()
-        return cls(large - 1 if small is None else small, large, small_tokens)
+        return cls(large if small is None else small, large, small_tokens)
 
     def restore(self) -> None:
         """Back to the step threads (torch's thread count is process-wide)."""
