@@ -200,8 +200,9 @@ def fuse_projections(model: Transformer) -> Transformer:
 def _concatenated(parts: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([p.weight.detach() for p in parts])
     has_bias = parts[0].bias is not None
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
-                      device=weight.device, dtype=weight.dtype)
+    # built on meta: its own weight (and bias) are replaced at once, never initialised
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta",
+                      dtype=weight.dtype)
     fused.weight = nn.Parameter(weight.t().contiguous().t() if weight.device.type == "cpu"
                                 else weight, requires_grad=False)
     if has_bias:

@@ -83,10 +83,10 @@ def build_model(
     if not quantize:
         model.load_state_dict(state, assign=True, strict=True)
         model.tie_weights()
+        if fuse:  # first, so the fused weights are laid out once, not their parts
+            fuse_projections(model)
         if torch.device(device).type == "cpu":
             lay_out_for_cpu(model)
-        if fuse:
-            fuse_projections(model)
         return model.eval().requires_grad_(False)
     model.load_state_dict(state, assign=True, strict=False)
     _install_quantized(model, rows, state, fuse)
