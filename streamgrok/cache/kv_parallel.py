@@ -18,8 +18,8 @@ copy-on-write compaction). Prefix sharing is not used under KVP (`add_sequence` 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,9 +32,9 @@ from streamgrok.cache.paged_cache import (
     SequenceState,
     demote_protected,
     evict_each,
+    limit_layer_protection,
     next_stream_rows,
     retained_media,
-    unprotect_oldest,
 )
 from streamgrok.cache.policies import LayerView, select_keep
 from streamgrok.cache.shard_attention import (
@@ -150,24 +150,11 @@ class KVParallelCache:
     @torch.inference_mode()
     def fork(self, src_id: int, dst_id: int) -> None:
         """Start `dst_id` as a copy of `src_id` on every rank (pages shared copy-on-write)."""
-        error = None
-        try:
-            self.local.fork(src_id, dst_id)
-        except CacheFullError as exc:
-            error = exc
-        failed = self.group.failed_ranks(error is None)
-        if failed:
-            if error is None:
-                self.local.remove_sequence(dst_id)
-            raise CacheFullError(f"KV cache out of pages on rank(s) {failed} for a fork")
+        self._on_every_rank(lambda: self.local.fork(src_id, dst_id),
+                            lambda: self.local.remove_sequence(dst_id), "a fork")
         src = self.sequences[src_id]
-        layers = []
-        for rec in src.layers:
-            copy = LayerTokens(self.config.page_size, self.device)
-            copy.meta, copy.score, copy.length = rec.meta.clone(), rec.score.clone(), rec.length
-            layers.append(copy)
-        self.sequences[dst_id] = SequenceState(dst_id, layers, src.stream_pos, src.next_group,
-                                               src.last_frame_source, src.pinned)
+        self.sequences[dst_id] = replace(src, seq_id=dst_id,
+                                         layers=[rec.copy_records() for rec in src.layers])
 
     @torch.inference_mode()
     def remove_sequence(self, seq_id: int) -> None:
@@ -181,8 +168,7 @@ class KVParallelCache:
         seq = self.sequences[seq_id]
         released = 0
         for layer, rec in enumerate(seq.layers):
-            protected = (rec.column(PROTECTED) > 0) & (rec.column(STREAM) >= seq.pinned)
-            released += unprotect_oldest(rec, int(protected.sum()) - max_protected, seq.pinned)
+            released += limit_layer_protection(rec, max_protected, seq.pinned)
             self._mirror_protection(seq_id, layer)
         return released
 
@@ -216,18 +202,7 @@ class KVParallelCache:
         """Allocate every rank's pages for the step, all or none: when any rank is out of
         pages, all roll back and raise CacheFullError naming it."""
         owned = {s: self._owned_count(s, n) for s, n in counts.items()}
-        error = None
-        try:
-            self.local.reserve(owned)
-        except CacheFullError as exc:
-            error = exc
-        failed = self.group.failed_ranks(error is None)
-        if failed:
-            if error is None:
-                self.local.rollback()
-            raise CacheFullError(
-                f"KV cache out of pages on rank(s) {failed} of {self.group.world}"
-                + (f": {error}" if error else ""))
+        self._on_every_rank(lambda: self.local.reserve(owned), self.local.rollback, "a step")
         self._saved = _Saved(
             {s: [rec.length for rec in self.sequences[s].layers] for s in counts},
             {s: (q.stream_pos, q.next_group, q.last_frame_source)
@@ -254,6 +229,23 @@ class KVParallelCache:
             for rec, length in zip(seq.layers, lengths):
                 rec.length = length
             seq.stream_pos, seq.next_group, seq.last_frame_source = saved.counters[seq_id]
+
+    def _on_every_rank(self, action: Callable[[], object], undo: Callable[[], object],
+                       what: str) -> None:
+        """Run `action` here; when any rank ran out of pages for it, undo it where it
+        succeeded, so all ranks stay alike, and raise CacheFullError naming those ranks."""
+        error = None
+        try:
+            action()
+        except CacheFullError as exc:
+            error = exc
+        failed = self.group.failed_ranks(error is None)
+        if failed:
+            if error is None:
+                undo()
+            raise CacheFullError(
+                f"KV cache out of pages on rank(s) {failed} of {self.group.world} for {what}"
+                + (f": {error}" if error else ""))
 
     # -- AttentionBackend ------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -181,26 +181,17 @@ class PagedKVCache:
                 self.pool.share(page)
             if rec.length % self.config.page_size:
                 pages[-1] = self.pool.copy_on_write(pages[-1])
-            copy = LayerTokens(self.config.page_size, self.device)
+            copy = rec.copy_records()
             copy.set_pages(pages)
-            copy.meta = rec.meta.clone()
-            copy.score = rec.score.clone()
-            copy.length = rec.length
             layers.append(copy)
-        self.sequences[dst_id] = SequenceState(
-            dst_id, layers, src.stream_pos, src.next_group, src.last_frame_source, src.pinned
-        )
+        self.sequences[dst_id] = replace(src, seq_id=dst_id, layers=layers)
 
     @torch.inference_mode()
     def limit_protected(self, seq_id: int, max_protected: int) -> int:
         """Unprotect the oldest protected tokens beyond `max_protected` per layer, never the
         sequence's pinned prefix (the system prompt); returns tokens unprotected."""
         seq = self.sequences[seq_id]
-        released = 0
-        for rec in seq.layers:
-            protected = (rec.column(PROTECTED) > 0) & (rec.column(STREAM) >= seq.pinned)
-            released += unprotect_oldest(rec, int(protected.sum()) - max_protected, seq.pinned)
-        return released
+        return sum(limit_layer_protection(rec, max_protected, seq.pinned) for rec in seq.layers)
 
     def retained(self, seq_id: int, layer: int = 0) -> list[dict]:
         """What a layer still holds of frames, notes and audio: one entry per source/time,
@@ -540,6 +531,13 @@ def retained_media(rec: LayerTokens) -> list[dict]:
     names = {int(m): m.name.lower() for m in Modality}
     return [{"modality": names[int(k[0])], "source": int(k[1]), "t": float(k[2]),
              "tokens": int(c)} for k, c in zip(keys, counts)]
+
+
+def limit_layer_protection(rec: LayerTokens, max_protected: int, pinned: int) -> int:
+    """Unprotect the layer's oldest protected tokens beyond `max_protected`, never the first
+    `pinned` stream tokens; returns how many were unprotected."""
+    protected = (rec.column(PROTECTED) > 0) & (rec.column(STREAM) >= pinned)
+    return unprotect_oldest(rec, int(protected.sum()) - max_protected, pinned)
 
 
 def demote_protected(rec: LayerTokens, budget: int, pinned: int, sinks: int) -> int:

@@ -33,6 +33,12 @@ class LayerTokens:
         self.pages = pages
         self._slot_table = None
 
+    def copy_records(self) -> LayerTokens:
+        """A copy of the records (metadata, scores, length) that holds no pages."""
+        copy = LayerTokens(self.page_size, self.score.device)
+        copy.meta, copy.score, copy.length = self.meta.clone(), self.score.clone(), self.length
+        return copy
+
     def slot_table(self) -> torch.Tensor:
         """Slot index of every position the layer's pages can hold."""
         if self._slot_table is None:
