@@ -31,15 +31,20 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def tiny_loaded(tmp_path_factory):
-    """A tiny random Llama written as a GGUF file and loaded like a real model (4096
-    positions), once per test module."""
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny random Llama (4096 positions) written as a GGUF file, once per test module."""
     from helpers import random_model, tiny_config, write_gguf
 
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    return write_gguf(path, random_model(tiny_config(max_positions=4096)))
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_gguf):
+    """`tiny_gguf` loaded like a real model, once per test module."""
     from streamgrok.model.loader import load_model
 
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
+    return load_model(tiny_gguf)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import gguf
@@ -206,3 +207,10 @@ async def queue_streaming_questions(engine) -> list:
         for session in sessions:
             await session.append_message("later " * 12)
     return asks
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import random_model, tiny_config
+from helpers import free_port, random_model, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -127,12 +127,10 @@ def test_engine_on_two_ranks_answers_like_one_process(tiny_loaded):
 
     import kvp_workers
 
-    from streamgrok.bench.kv_ranks import _free_port
-
     alone = asyncio.run(kvp_workers.answers(tiny_loaded, None))
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=kvp_workers.engine_rank, daemon=True,
                              args=(rank, 2, port, str(tiny_loaded.source), results))
              for rank in range(2)]
@@ -165,8 +163,6 @@ def test_serve_kv_parallel_under_torchrun_answers_like_one_process(tiny_loaded):
     import urllib.request
     from pathlib import Path
 
-    from streamgrok.bench.kv_ranks import _free_port
-
     def start(launcher: list[str], *extra: str) -> tuple[subprocess.Popen, int]:
         process = subprocess.Popen(
             [*launcher, "-m", "streamgrok", "serve", "--port", "0", "--model",
@@ -189,7 +185,7 @@ def test_serve_kv_parallel_under_torchrun_answers_like_one_process(tiny_loaded):
 
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     sharded, port = start([torchrun, "--nproc-per-node", "2", "--master-port",
-                           str(_free_port())], "--kv-parallel", "2")
+                           str(free_port())], "--kv-parallel", "2")
     single, single_port = start([sys.executable])
     try:
         assert ask(port) == ask(single_port)

@@ -87,17 +87,7 @@ fuzz_messages = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def fuzz_loaded(tmp_path_factory):
-    from helpers import random_model, tiny_config, write_gguf
-
-    from streamgrok.model.loader import load_model
-
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return load_model(write_gguf(path, random_model(tiny_config(max_positions=4096))))
-
-
-async def test_a_live_connection_stays_usable_under_fuzzed_messages(fuzz_loaded):
+async def test_a_live_connection_stays_usable_under_fuzzed_messages(tiny_loaded):
     """Fuzzed messages into one started session on a real server: every reply is strict
     JSON with a documented code, and afterwards the same connection still gets answers."""
     from websockets.asyncio.client import connect
@@ -108,7 +98,7 @@ async def test_a_live_connection_stays_usable_under_fuzzed_messages(fuzz_loaded)
     config = ServerConfig("pipelines/live_qa.py", port=0, max_media_per_second=1000,
                           pipeline_options={"transcribe": "false"}, stats_interval_s=60,
                           load_tick_s=None)
-    server = StreamgrokServer(fuzz_loaded, config, CacheConfig(budget_tokens=512,
+    server = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512,
                                                                memory_gib=0.05))
     await server.start()
     sent = []

@@ -11,14 +11,13 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import random_model, tiny_config, write_gguf
+from helpers import free_port
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -26,18 +25,6 @@ RECIPE = Path(__file__).parents[1] / "deploy" / "nginx" / "streamgrok.conf"
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get "
                                 "install nginx-light; `make test` installs it as root)")
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return write_gguf(path, random_model(tiny_config(max_positions=4096)))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def start_replica(model: Path, name: str) -> tuple[asyncio.subprocess.Process, int]:

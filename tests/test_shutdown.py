@@ -10,15 +10,8 @@ import signal
 import sys
 
 import pytest
-from helpers import random_model, tiny_config, write_gguf
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    return write_gguf(path, random_model(tiny_config(max_positions=4096)))
 
 
 async def start_server(model) -> tuple[asyncio.subprocess.Process, int]:
