@@ -282,7 +282,8 @@ class KVParallelCache:
                 ))
         self.local.stats.appended_tokens += batch.num_tokens
         self.stats.appended_tokens += batch.num_tokens
-        reach = max(self.sequences[s].layers[0].length for s, _, _ in spans)
+        # layers evict apart (frame groups, pyramid budgets): the longest one bounds positions
+        reach = max(rec.length for s, _, _ in spans for rec in self.sequences[s].layers)
         batch.backend_state = ShardPlan(new_slots.to(self.device), plan_spans, reach)
 
     @torch.inference_mode()
