@@ -110,8 +110,8 @@ async def test_cancel_stops_the_response_and_errors_keep_the_session(server):
         await connection.response.create()
         assert (await events_until(connection, "response.done"))[-1]["response"]["status"] \
             in ("completed", "incomplete")
-    for _ in range(100):
-        if server.engine.cache.pool.used_pages == 0:
+    for _ in range(100):  # pages and the session count are released one after the other
+        if server.engine.cache.pool.used_pages == 0 and server.active_sessions == 0:
             break
         import asyncio
 
