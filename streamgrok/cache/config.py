@@ -27,6 +27,11 @@ class CacheConfig:
     `kv_dtype` "auto" stores K/V in the model's compute dtype. `memory_gib` sizes the page
     pool; None (the default) means `gpu_memory_fraction` of free memory on CUDA and
     `CPU_DEFAULT_GIB` on CPU.
+
+    With `host_tier_gib`, eviction is a tier change: evicted pages go to host memory (see
+    `host_tier`), and each answer recalls the pages its question attends to most (`recall`):
+    `recall_tokens` per layer, more while the estimated KV hit rate is below
+    `recall_min_hit_rate`, never past the model's trained context.
     """
 
     page_size: int = 16
@@ -46,6 +51,11 @@ class CacheConfig:
     snapkv_window: int = 32
     snapkv_pool: int = 5
     redundancy_refs: int = 256
+    host_tier_gib: float | None = None  # evicted pages go to a host tier of this size
+    host_tier_dtype: str = "auto"  # "auto" (as the page pool stores) or "int8"
+    recall_tokens: int | None = None  # per layer and answer; default: the layer budget
+    recall_queries: int = 8  # the question's last queries that score the host tier
+    recall_min_hit_rate: float = 0.95  # the guard: recall more below this estimated hit rate
 
     def __post_init__(self) -> None:
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
@@ -62,6 +72,23 @@ class CacheConfig:
             raise ValueError(f"policy {self.policy!r} needs budget_tokens")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
+        if self.host_tier_dtype not in ("auto", "int8"):
+            raise ValueError(
+                f"host_tier_dtype must be 'auto' or 'int8', not {self.host_tier_dtype!r}")
+        if self.host_tier_gib is not None:
+            if self.host_tier_gib <= 0:
+                raise ValueError("host_tier_gib must be positive (or None for no host tier)")
+            if not self.evicts:
+                raise ValueError("a host tier keeps evicted pages: policy 'full' evicts none")
+        if not 0.0 <= self.recall_min_hit_rate <= 1.0:
+            raise ValueError("recall_min_hit_rate must be within [0, 1]")
+        if self.recall_queries < 1:
+            raise ValueError("recall_queries must be >= 1")
+
+    @property
+    def recalls(self) -> bool:
+        """Whether evicted pages are kept in a host tier and recalled for questions."""
+        return self.host_tier_gib is not None
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:

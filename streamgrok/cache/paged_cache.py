@@ -11,10 +11,21 @@ import torch
 
 from kernels.ops import KernelOps
 from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, build_attention_plan
-from streamgrok.cache.config import CPU_DEFAULT_GIB, CacheConfig
+from streamgrok.cache.config import CPU_DEFAULT_GIB, KV_DTYPES, CacheConfig
+from streamgrok.cache.host_tier import HostTier
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
 from streamgrok.cache.prefix import PrefixIndex
+from streamgrok.cache.recall import (
+    QueryCapture,
+    RecallResult,
+    attention_scale,
+    choose_pages,
+    insert_tokens,
+    resident_lse,
+    rotate,
+    score_pages,
+)
 from streamgrok.cache.tokens import (
     META_COLUMNS,
     MODALITY,
@@ -41,6 +52,10 @@ class SequenceState:
     next_group: int = 0
     last_frame_source: int | None = None
     pinned: int = 0  # leading stream tokens never unprotected (the system prompt)
+    tier_source: int | None = None  # the sequence whose host tier recall reads (a fork's
+    # parent session)
+    budget_bonus: list[int] = field(default_factory=list)  # recalled tokens a layer may hold
+    # beyond its budget
 
 
 @dataclass
@@ -105,6 +120,17 @@ class PagedKVCache:
         self.sequences: dict[int, SequenceState] = {}
         self.stats = CacheStats(evicted_by_layer=[0] * model_config.num_layers)
         self._reservation: Reservation | None = None
+        self.tier = self._host_tier(compute_dtype)
+        self._captures: dict[int, QueryCapture] = {}
+
+    def _host_tier(self, compute_dtype: torch.dtype) -> HostTier | None:
+        if not self.config.recalls:
+            return None
+        store = (torch.int8 if self.config.host_tier_dtype == "int8"
+                 else KV_DTYPES[self.config.kv_dtype])
+        return HostTier(self.config.host_tier_gib * 2**30, self.config.page_size,
+                        self.model_config.num_kv_heads, self.model_config.head_dim, store,
+                        compute_dtype, self.device)
 
     def memory_budget_bytes(self) -> float:
         """Bytes the page pool may use: a fixed size, or by default a share of free GPU memory
@@ -142,6 +168,9 @@ class PagedKVCache:
         layers = [LayerTokens(self.config.page_size, self.device) for _ in self.budgets]
         seq = SequenceState(seq_id, layers, pinned=pinned)
         self.sequences[seq_id] = seq
+        if self.tier is not None:
+            self.tier.add_sequence(seq_id, len(layers))
+            seq.tier_source = seq_id
         if not prefix_tokens:
             return 0
         entries = self.prefix.lookup(prefix_tokens, self.pool.generation)
@@ -184,7 +213,8 @@ class PagedKVCache:
             copy = rec.copy_records()
             copy.set_pages(pages)
             layers.append(copy)
-        self.sequences[dst_id] = replace(src, seq_id=dst_id, layers=layers)
+        self.sequences[dst_id] = replace(src, seq_id=dst_id, layers=layers,
+                                         budget_bonus=list(src.budget_bonus))
 
     @torch.inference_mode()
     def limit_protected(self, seq_id: int, max_protected: int) -> int:
@@ -218,6 +248,9 @@ class PagedKVCache:
         for layer in seq.layers:
             self.pool.release(layer.pages)
             layer.set_pages([])
+        self._captures.pop(seq_id, None)
+        if self.tier is not None:
+            self.tier.remove_sequence(seq_id)
 
     def min_budget(self) -> int | None:
         """The smallest per-layer token budget (None when the cache never evicts)."""
@@ -360,6 +393,8 @@ class PagedKVCache:
                 q_rot, kv, tables, group.cu_q, group.past[layer], cos, sin, group.max_q, window)
             observed = [min(n, window or n) for n in group.counts]
         out[group.rows] = result.to(out.dtype)
+        if self._captures:
+            self._capture(layer, q, group)
         if mass is not None:  # scores stay on the device: no sync per layer
             for i, (seq_id, total) in enumerate(zip(group.seq_ids, group.totals[layer])):
                 self.observe_mass(self.sequences[seq_id].layers[layer], mass[i, :total],
@@ -410,6 +445,8 @@ class PagedKVCache:
     def _evict_sequence(self, seq: SequenceState, force: bool) -> int:
         evicted = 0
         for index, (rec, budget) in enumerate(zip(seq.layers, self.budgets)):
+            if seq.budget_bonus:
+                budget += seq.budget_bonus[index]
             limit = budget if force else budget + self.config.slack
             if rec.length <= limit:
                 continue
@@ -418,6 +455,8 @@ class PagedKVCache:
             view = LayerView(rec, lambda rec=rec: self.pool.read(rec.slots().to(self.device)))
             keep = select_keep(view, budget, self.scorer, self.config)
             removed = rec.length - keep.numel()
+            if self.tier is not None and seq.seq_id in self.tier.sequences:
+                self._store_evicted(seq.seq_id, index, rec, keep)
             self.compact_layer(rec, keep)
             self.stats.evicted_by_layer[index] += removed
             evicted += removed
@@ -456,6 +495,102 @@ class PagedKVCache:
         else:
             self.pool.scatter_raw(dst, staged)
         rec.keep_only(keep)
+
+    # -- host tier and recall --------------------------------------------------------------
+
+    def capture_queries(self, seq_id: int) -> None:
+        """Keep the last `recall_queries` queries of every layer the sequence (an answer's
+        fork) attends with from now on, for `recall`."""
+        if seq_id not in self.sequences:
+            raise KeyError(f"unknown sequence {seq_id}")
+        self._captures[seq_id] = QueryCapture(self.config.recall_queries)
+
+    def _capture(self, layer: int, q: torch.Tensor, group: SpanGroup) -> None:
+        start = 0
+        for seq_id, count in zip(group.seq_ids, group.counts):
+            capture = self._captures.get(seq_id)
+            if capture is not None:
+                rows = group.rows[start : start + count].to(q.device)
+                capture.add(layer, q[rows], group.positions[layer, start : start + count])
+            start += count
+
+    def _store_evicted(self, seq_id: int, layer: int, rec: LayerTokens,
+                       keep: torch.Tensor) -> None:
+        gone = torch.ones(rec.length, dtype=torch.bool)
+        gone[keep] = False
+        index = torch.nonzero(gone).flatten()
+        k, v = self.pool.read(rec.slots()[index].to(self.device))
+        self.tier.store(seq_id, layer, k, v, rec.meta[index])
+
+    @torch.inference_mode()
+    def recall(self, seq_id: int, room: int = 0) -> RecallResult:
+        """Bring back into the sequence (an answer's fork, after `capture_queries` and its
+        prompt but the last token) the host-tier pages its captured queries score highest,
+        per layer, in stream order; keep every layer, with `room` tokens still to come, within
+        the model's trained context. The fork may hold the recalled tokens beyond its budget.
+        Without a host tier or captured queries, nothing happens."""
+        started = time.perf_counter()
+        seq = self.sequences[seq_id]
+        capture = self._captures.pop(seq_id, None)
+        result = RecallResult(layer_tokens=[0] * len(seq.layers))
+        if self.tier is None or capture is None or seq.tier_source not in self.tier.sequences:
+            return result
+        bytes_before = self.tier.stats.recall_bytes
+        if not seq.budget_bonus:
+            seq.budget_bonus = [0] * len(seq.layers)
+        hits = []
+        for index, rec in enumerate(seq.layers):
+            tier_layer = self.tier.layer(seq.tier_source, index)
+            queries = capture.layers[index] if index < len(capture.layers) else None
+            if tier_layer is None or tier_layer.num_pages == 0 or queries is None:
+                hits.append(1.0)
+                continue
+            cap = self.model_config.max_positions - room - rec.length
+            budget = self.config.recall_tokens or self.budgets[index] or 0
+            choice = self._choose(rec, tier_layer, queries, budget, max(0, cap))
+            hits.append(choice.hit_rate)
+            result.guard |= choice.guard
+            result.limited |= choice.limited
+            if not choice.index.numel():
+                continue
+            index_sorted = torch.sort(choice.index).values
+            k, v, meta = self.tier.read(tier_layer, index_sorted)
+            try:
+                insert_tokens(self.pool, self.kernels, rec, k, v, meta)
+            except CacheFullError:
+                result.limited = True
+                continue
+            seq.budget_bonus[index] += k.shape[0]
+            result.layer_tokens[index] = k.shape[0]
+        result.tokens = sum(result.layer_tokens)
+        result.hit_rate = sum(hits) / len(hits)
+        result.bytes_moved = self.tier.stats.recall_bytes - bytes_before
+        result.seconds = time.perf_counter() - started
+        stats = self.tier.stats
+        stats.recalls += 1
+        stats.recalled_tokens += result.tokens
+        stats.guard_recalls += result.guard
+        stats.recall_seconds += result.seconds
+        return result
+
+    def _choose(self, rec: LayerTokens, tier_layer, queries, budget: int, cap: int):
+        q, positions = queries
+        q = q.to(self.device)
+        positions = positions.to(self.device, torch.int64)
+        n = rec.length
+        tables = self.rotary.tables(max(n, int(positions.max())) + 1)
+        scale = attention_scale(self.model_config.head_dim)
+        q_rot = rotate(self.kernels, q, positions, tables)
+        keys, _ = self.pool.read(rec.slots().to(self.device))
+        k_rot = rotate(self.kernels, keys, torch.arange(n, device=self.device), tables)
+        lse = resident_lse(q_rot, k_rot, positions, scale)
+        insert_at = torch.searchsorted(rec.column(STREAM).contiguous(),
+                                       tier_layer.first_stream().contiguous())
+        centers_rot = rotate(self.kernels, tier_layer.centers, insert_at, tables)
+        score, mass = score_pages(q_rot, lse, centers_rot, tier_layer.radii, tier_layer.counts,
+                                  scale)
+        return choose_pages(score, mass, tier_layer.counts, budget, cap,
+                            self.config.recall_min_hit_rate)
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -69,6 +69,10 @@ class LayerTokens:
     def column(self, col: int) -> torch.Tensor:
         return self.meta[: self.length, col]
 
+    def replace_records(self, meta: torch.Tensor, score: torch.Tensor) -> None:
+        """New metadata [n, META_COLUMNS] and scores [n] for all n tokens of the layer."""
+        self.meta, self.score, self.length = meta, score, meta.shape[0]
+
     def keep_only(self, keep: torch.Tensor) -> None:
         """Reorder metadata and scores to the kept token indices (ascending)."""
         m = keep.shape[0]

@@ -1,0 +1,162 @@
+"""Recall: a question's queries score the host tier's pages and the best come back.
+
+For one layer of an answer's fork, with the question's last queries (unrotated, and the cache
+positions they had):
+
+1. exact attention of those queries over the tokens resident in the fork gives, per query and
+   head, the log-sum-exp `lse` of their logits;
+2. every host page is scored by an upper bound on the logit any of its keys can get: a page's
+   keys lie in a ball (center c, radius r) per KV head, so q . R(p) k <= q . R(p) c + |q| r for
+   the rotation R(p) of the position p the page would take back in the fork (its insertion
+   point among the resident tokens). The page's score is the largest bound minus `lse` over
+   queries and heads: the log of the most attention one of its tokens could draw, relative to
+   everything resident;
+3. pages are taken best first within the recall budget (tokens per layer); the estimated hit
+   rate, the share of attention resident after recall, counts each page's mass as its token
+   count times exp(q . R(p) c - lse). When the estimate is below the guard's threshold, more
+   pages are taken until it is met, or the position cap (the model's trained context) is hit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.ops import KernelOps
+
+
+@dataclass
+class QueryCapture:
+    """The last queries of an answer's prompt, per layer: unrotated [R, H, D] and the cache
+    positions they were computed at [R]."""
+
+    keep: int
+    layers: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+
+    def add(self, layer: int, q: torch.Tensor, positions: torch.Tensor) -> None:
+        while len(self.layers) <= layer:
+            self.layers.append(None)
+        old = self.layers[layer]
+        if old is not None:
+            q, positions = torch.cat([old[0], q]), torch.cat([old[1], positions])
+        self.layers[layer] = (q[-self.keep:].clone(), positions[-self.keep:].clone())
+
+
+@dataclass
+class PageChoice:
+    """Which host pages of one layer come back, and what recall estimates of that."""
+
+    index: torch.Tensor  # page indices into the tier layer, best first
+    hit_rate: float  # estimated share of attention resident after recall
+    guard: bool  # the guard took pages beyond the recall budget
+    limited: bool = False  # the position cap kept pages back that were wanted
+
+
+@dataclass
+class RecallResult:
+    """What one answer's recall did, over all layers."""
+
+    tokens: int = 0  # tokens brought back, summed over layers
+    layer_tokens: list[int] = field(default_factory=list)
+    hit_rate: float = 1.0  # estimated, mean over layers (1.0: nothing was off the working set)
+    guard: bool = False  # the guard extended at least one layer's recall
+    limited: bool = False  # cut short by the position cap or free pages
+    bytes_moved: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"kv_hit_rate": round(self.hit_rate, 4), "recalled_tokens": self.tokens,
+                "recall_guard": self.guard, "recall_ms": round(self.seconds * 1e3, 2)}
+
+
+def resident_lse(q_rot: torch.Tensor, k_rot: torch.Tensor, positions: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """log-sum-exp over the resident keys k_rot [n, kvh, D] (rotated by their position) of the
+    logits of each query q_rot [R, H, D] at `positions` [R] (causal); [R, kvh, H/kvh]."""
+    rows, heads, dim = q_rot.shape
+    kv_heads = k_rot.shape[1]
+    qg = q_rot.float().view(rows, kv_heads, heads // kv_heads, dim)
+    logits = torch.einsum("rkgd,nkd->rkgn", qg, k_rot.float()) * scale
+    future = torch.arange(k_rot.shape[0], device=q_rot.device)[None, :] > positions[:, None]
+    logits = logits.masked_fill(future[:, None, None, :], float("-inf"))
+    return torch.logsumexp(logits, dim=-1)
+
+
+def score_pages(q_rot: torch.Tensor, lse: torch.Tensor, centers_rot: torch.Tensor,
+                radii: torch.Tensor, counts: torch.Tensor, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page scores [P] (the largest bound on a token's logit minus `lse`, over queries and
+    heads) and estimated attention mass [R * H, P] relative to the resident mass, for host
+    pages with rotated centers [P, kvh, D], radii [P, kvh] and token counts [P]."""
+    rows, heads, dim = q_rot.shape
+    kv_heads = centers_rot.shape[1]
+    qg = q_rot.float().view(rows, kv_heads, heads // kv_heads, dim)
+    center = torch.einsum("rkgd,pkd->rkgp", qg, centers_rot.float()) * scale
+    reach = torch.linalg.vector_norm(qg, dim=-1)[..., None] * radii.float().T[None, :, None, :]
+    bound = center + reach * scale - lse[..., None]
+    mass = counts.to(center.device, torch.float32) * torch.exp(center - lse[..., None])
+    return bound.amax(dim=(0, 1, 2)), mass.reshape(-1, centers_rot.shape[0])
+
+
+def choose_pages(score: torch.Tensor, mass: torch.Tensor, counts: torch.Tensor,
+                 budget_tokens: int, cap_tokens: int, min_hit_rate: float) -> PageChoice:
+    """Best-scored pages first, as many as fit `budget_tokens`; then, while the estimated hit
+    rate is below `min_hit_rate`, more, never past `cap_tokens` in all."""
+    order = torch.argsort(score.cpu(), descending=True, stable=True)
+    tokens = torch.cumsum(counts[order], 0)
+    cum = torch.cumsum(mass.cpu().double()[:, order], dim=1)
+    total = cum[:, -1:] if cum.shape[1] else torch.zeros(cum.shape[0], 1, dtype=torch.float64)
+    hit = torch.cat([torch.zeros(cum.shape[0], 1, dtype=torch.float64), cum], dim=1)
+    hit = ((1.0 + hit) / (1.0 + total)).mean(0)  # [P + 1]: after taking the first k pages
+    capped = int((tokens <= cap_tokens).sum())
+    wanted = int((tokens <= budget_tokens).sum())
+    guard = False
+    if float(hit[min(wanted, capped)]) < min_hit_rate:
+        reached = torch.nonzero(hit >= min_hit_rate).flatten()
+        needed = int(reached[0]) if reached.numel() else hit.numel() - 1
+        guard = needed > wanted and capped > wanted
+        wanted = max(wanted, needed)
+    taken = min(wanted, capped)
+    return PageChoice(order[:taken], float(hit[taken]), guard, limited=wanted > capped)
+
+
+def rotate(kernels: KernelOps, x: torch.Tensor, positions: torch.Tensor,
+           tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [n, heads, D] rotated by integer positions [n]."""
+    cos, sin = tables
+    return kernels.rotate(x, positions.to(x.device, torch.int64), cos, sin)
+
+
+def attention_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def insert_tokens(pool, kernels: KernelOps, rec, k: torch.Tensor, v: torch.Tensor,
+                  meta: torch.Tensor) -> None:
+    """Put recalled tokens (K/V [m, kvh, D] unrotated, records [m, META_COLUMNS]) back into
+    the layer `rec` in stream order, on fresh pages of `pool`: the resident entries are copied
+    as stored, the recalled ones written like new tokens. The old pages are released (shared
+    ones stay with their other owner). Raises CacheFullError, changing nothing, when the pool
+    has too few free pages."""
+    from streamgrok.cache.tokens import STREAM
+
+    n, m = rec.length, k.shape[0]
+    order = torch.argsort(torch.cat([rec.column(STREAM), meta[:, STREAM]]), stable=True)
+    pages = pool.allocate(math.ceil((n + m) / pool.page_size))
+    old_slots, old_pages = rec.slots(), rec.pages
+    slots = (torch.tensor(pages)[:, None] * pool.page_size
+             + torch.arange(pool.page_size)).flatten()[: n + m]
+    from_resident = order < n
+    device = pool.paged_kv().k.device
+    pool.scatter_raw(slots[from_resident].to(device),
+                     pool.gather_raw(old_slots[order[from_resident]].to(device)))
+    new_rows = order[~from_resident] - n
+    kernels.kv_append(pool.paged_kv(), slots[~from_resident].to(device), k[new_rows.to(k.device)],
+                      v[new_rows.to(v.device)])
+    rec.replace_records(torch.cat([rec.meta[:n], meta])[order],
+                        torch.cat([rec.score[:n], rec.score.new_zeros(m)])[order.to(
+                            rec.score.device)])
+    rec.set_pages(pages)
+    pool.release(old_pages)

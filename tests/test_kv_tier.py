@@ -1,0 +1,262 @@
+"""The host tier and recall: evicted pages kept off the working set and brought back."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from kernels.ops import KernelOps
+from kernels.rotary import apply_rotary
+from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.recall import choose_pages
+from streamgrok.cache.tokens import STREAM
+from streamgrok.model.batch import BatchMetadata
+
+CFG = tiny_config(max_positions=4096)
+
+
+def tiered(budget: int = 32, host_gib: float = 0.01, backend: str = "torch",
+           **extra) -> PagedKVCache:
+    config = CacheConfig(policy="h2o", budget_tokens=budget, sink_tokens=2,
+                         evict_slack_tokens=16, host_tier_gib=host_gib, **extra)
+    return PagedKVCache(CFG, config, num_pages=256, kernels=KernelOps(backend))
+
+
+def full_cache(backend: str = "torch") -> PagedKVCache:
+    return PagedKVCache(CFG, CacheConfig(policy="full", budget_tokens=None), num_pages=256,
+                        kernels=KernelOps(backend))
+
+
+def append(cache: PagedKVCache, seq: int, n: int, seed: int) -> list[torch.Tensor]:
+    """n tokens of random q/K/V into every layer (no model); returns each layer's output."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = BatchMetadata.build([seq], [n])
+    cache.prepare(batch)
+    outs = []
+    for layer in range(CFG.num_layers):
+        q = torch.randn(n, CFG.num_heads, CFG.head_dim, generator=gen)
+        k = torch.randn(n, CFG.num_kv_heads, CFG.head_dim, generator=gen)
+        v = torch.randn(n, CFG.num_kv_heads, CFG.head_dim, generator=gen)
+        outs.append(cache.attend(layer, q, k, v, batch))
+    return outs
+
+
+def stream(cache: PagedKVCache, chunks: int = 5, size: int = 24) -> None:
+    cache.add_sequence(0)
+    for i in range(chunks):
+        append(cache, 0, size, seed=i)
+        cache.evict([0])
+
+
+def ask(cache: PagedKVCache, prompt: int = 6, room: int = 0):
+    """Fork the stream, prefill a question but its last token, recall."""
+    cache.fork(0, 1)
+    cache.capture_queries(1)
+    append(cache, 1, prompt - 1, seed=100)
+    return cache.recall(1, room=room)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_recalling_everything_attends_exactly_as_the_full_cache(backend):
+    tier, full = tiered(recall_tokens=10_000, backend=backend), full_cache(backend)
+    stream(tier)
+    stream(full)
+    assert tier.stats.evicted_tokens > 0
+    result = ask(tier)
+    ask(full)
+    assert result.tokens == tier.stats.evicted_tokens
+    for rec in tier.sequences[1].layers:  # every token back, in stream order
+        assert torch.equal(rec.column(STREAM), torch.arange(5 * 24 + 5, dtype=torch.float64))
+    got = append(tier, 1, 1, seed=101)
+    want = append(full, 1, 1, seed=101)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the session's own working set is undisturbed, and the fork may keep what it recalled
+    assert max(tier.layer_lengths(0)) <= 32 + 16
+    tier.evict([1])
+    assert tier.layer_lengths(1) == full.layer_lengths(1)
+
+
+def test_recalled_tokens_carry_their_own_keys_and_values():
+    tier, full = tiered(recall_tokens=48, recall_min_hit_rate=0.0), full_cache()
+    stream(tier)
+    stream(full)
+    result = ask(tier)
+    ask(full)
+    assert 0 < result.tokens <= 48 * CFG.num_layers
+    for layer in range(CFG.num_layers):
+        rec = tier.sequences[1].layers[layer]
+        streams = rec.column(STREAM)
+        assert torch.all(streams[1:] > streams[:-1])  # stream order, no duplicates
+        k, v = tier.pool.read(rec.slots())
+        k_full, v_full = full.pool.read(full.sequences[1].layers[layer].slots()[streams.long()])
+        torch.testing.assert_close(k, k_full)
+        torch.testing.assert_close(v, v_full)
+
+
+def brute_force_choice(cache: PagedKVCache, queries, rec, tier_layer, budget: int):
+    """The recall rule written out page by page, head by head, with explicit rotations."""
+    q, positions = queries
+    scale = 1 / math.sqrt(CFG.head_dim)
+    cos, sin = cache.rotary.tables(8192)
+    keys, _ = cache.pool.read(rec.slots())
+    n = rec.length
+    group = CFG.num_heads // CFG.num_kv_heads
+    resident_stream = rec.column(STREAM).tolist()
+    scores = []
+    for p in range(tier_layer.num_pages):
+        first = float(tier_layer.meta[p, 0, STREAM])
+        at = sum(1 for s in resident_stream if s < first)
+        best = -math.inf
+        for r in range(q.shape[0]):
+            pos = int(positions[r])
+            qr = apply_rotary(q[r : r + 1], cos[pos : pos + 1], sin[pos : pos + 1])[0]
+            for h in range(CFG.num_heads):
+                kvh = h // group
+                logits = []
+                for j in range(min(n, pos + 1)):
+                    kj = apply_rotary(keys[j : j + 1], cos[j : j + 1], sin[j : j + 1])[0, kvh]
+                    logits.append(float(qr[h] @ kj) * scale)
+                lse = torch.logsumexp(torch.tensor(logits), 0).item()
+                center = apply_rotary(tier_layer.centers[p : p + 1], cos[at : at + 1],
+                                      sin[at : at + 1])[0, kvh]
+                bound = (float(qr[h] @ center)
+                         + float(qr[h].norm()) * float(tier_layer.radii[p, kvh])) * scale
+                best = max(best, bound - lse)
+        scores.append(best)
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    chosen, tokens = [], 0
+    for i in order:
+        tokens += int(tier_layer.counts[i])
+        if tokens > budget:
+            break
+        chosen.append(i)
+    return chosen
+
+
+def test_recall_picks_the_pages_a_brute_force_scorer_picks():
+    cache = tiered(recall_tokens=40, recall_min_hit_rate=0.0)
+    stream(cache, chunks=5)
+    cache.fork(0, 1)
+    cache.capture_queries(1)
+    append(cache, 1, 3, seed=100)
+    capture = cache._captures[1]
+    expected = []
+    for layer in range(CFG.num_layers):
+        rec = cache.sequences[1].layers[layer]
+        tier_layer = cache.tier.layer(0, layer)
+        assert tier_layer.num_pages >= 3
+        expected.append(brute_force_choice(cache, capture.layers[layer], rec, tier_layer, 40))
+        choice = cache._choose(rec, tier_layer, capture.layers[layer], 40, 10_000)
+        assert choice.index.tolist() == expected[-1]
+    result = cache.recall(1)
+    assert result.layer_tokens == [
+        sum(int(cache.tier.layer(0, layer).counts[i]) for i in chosen)
+        for layer, chosen in enumerate(expected)]
+
+
+def test_the_guard_recalls_more_only_below_its_threshold():
+    counts = torch.tensor([16, 16, 16, 16])
+    score = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    # relative masses: the first page carries little, the rest much
+    mass = torch.tensor([[0.01, 0.5, 0.5, 0.5]])
+    calm = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=1000,
+                        min_hit_rate=0.3)
+    assert calm.index.tolist() == [0] and not calm.guard
+    strict = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=1000,
+                          min_hit_rate=0.95)
+    assert strict.index.tolist() == [0, 1, 2, 3] and strict.guard
+    assert strict.hit_rate == pytest.approx(1.0)
+    capped = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=40,
+                          min_hit_rate=0.95)
+    assert capped.index.tolist() == [0, 1] and capped.guard and capped.limited
+    assert capped.hit_rate < 0.95
+
+
+def test_guard_in_the_cache_brings_back_the_whole_history_when_asked_to():
+    strict = tiered(recall_tokens=16, recall_min_hit_rate=1.0)
+    stream(strict)
+    result = ask(strict)
+    assert result.guard
+    assert result.tokens == strict.stats.evicted_tokens
+    calm = tiered(recall_tokens=16, recall_min_hit_rate=0.0)
+    stream(calm)
+    result = ask(calm)
+    assert not result.guard
+    assert all(0 < n <= 16 for n in result.layer_tokens)
+
+
+def test_recall_stays_within_the_trained_context():
+    cache = tiered(recall_tokens=10_000, recall_min_hit_rate=1.0)
+    stream(cache)
+    room = CFG.max_positions - 100
+    result = ask(cache, room=room)
+    assert result.tokens > 0 and result.limited
+    assert max(cache.layer_lengths(1)) <= CFG.max_positions - room
+
+
+def test_tier_budget_holds_and_what_leaves_is_counted():
+    cache = tiered(host_gib=40 * 2 * 16 * CFG.num_kv_heads * CFG.head_dim * 4 / 2**30)
+    assert cache.tier.capacity_pages == 40
+    stream(cache, chunks=30)
+    tier = cache.tier
+    assert tier.used_pages <= 40
+    resident = sum(cache.layer_lengths(0))
+    assert tier.stats.dropped_tokens > 0
+    assert tier.stats.stored_tokens == cache.stats.evicted_tokens
+    assert resident + tier.tokens + tier.stats.dropped_tokens == 30 * 24 * CFG.num_layers
+    # what left was the oldest: the tier holds the most recent evicted tokens
+    valid = [torch.arange(16)[None, :] < layer.counts[:, None] for layer in tier.sequences[0]]
+    kept = torch.cat([layer.meta[mask][:, STREAM]
+                      for layer, mask in zip(tier.sequences[0], valid)])
+    assert kept.min() > 300
+
+
+def test_int8_host_tier_recalls_close_values():
+    cache = tiered(recall_tokens=10_000, host_tier_dtype="int8")
+    full = full_cache()
+    stream(cache)
+    stream(full)
+    assert cache.tier.page_bytes < tiered().tier.page_bytes / 3
+    ask(cache)
+    ask(full)
+    got = append(cache, 1, 1, seed=101)
+    want = append(full, 1, 1, seed=101)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
+def test_closing_sessions_frees_every_tier():
+    cache = tiered()
+    stream(cache)
+    ask(cache)
+    assert cache.tier.used_pages > 0
+    cache.remove_sequence(1)
+    assert cache.tier.used_pages > 0  # the fork reads the session's tier; it owns none
+    cache.remove_sequence(0)
+    assert cache.tier.used_pages == 0 and not cache.tier.sequences
+    assert cache.pool.used_pages == 0
+
+
+def test_recall_without_a_tier_or_captured_queries_does_nothing():
+    cache = full_cache()
+    stream(cache)
+    cache.fork(0, 1)
+    assert cache.recall(1).tokens == 0
+    tier = tiered()
+    stream(tier)
+    tier.fork(0, 1)
+    lengths = tier.layer_lengths(1)
+    assert tier.recall(1).tokens == 0
+    assert tier.layer_lengths(1) == lengths
+
+
+def test_config_rejects_a_tier_without_eviction():
+    with pytest.raises(ValueError, match="evicts none"):
+        CacheConfig(policy="full", budget_tokens=None, host_tier_gib=1.0)
+    with pytest.raises(ValueError, match="host_tier_dtype"):
+        CacheConfig(host_tier_gib=1.0, host_tier_dtype="int4")
