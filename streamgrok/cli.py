@@ -6,6 +6,10 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamgrok.cache.config import CacheConfig
 
 DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -38,6 +42,27 @@ def _add_cache_options(parser: argparse.ArgumentParser) -> None:
                         help="KV tokens kept per layer and session")
     parser.add_argument("--kv-memory-gib", type=float, default=None,
                         help="KV page pool size (default: 80%% of free GPU memory, 2 GiB on CPU)")
+    parser.add_argument("--kv-host-gib", type=float, default=None,
+                        help="GiB of host memory that keeps evicted KV pages, from which "
+                             "each answer recalls what its question attends to (None: "
+                             "eviction is final)")
+    parser.add_argument("--kv-host-dtype", default="auto", choices=("auto", "int8"),
+                        help="host tier storage: auto (as the page pool) or int8")
+    parser.add_argument("--recall-tokens", type=int, default=None,
+                        help="tokens per layer an answer recalls (None: the KV budget)")
+    parser.add_argument("--recall-min-hit-rate", type=float, default=0.95,
+                        help="recall more while an answer's estimated KV hit rate is below "
+                             "this (0 turns the guard off)")
+
+
+def cache_config(args: argparse.Namespace, **extra) -> CacheConfig:
+    """The cache configuration the cache options ask for."""
+    from streamgrok.cache.config import CacheConfig
+
+    return CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
+                       memory_gib=args.kv_memory_gib, host_tier_gib=args.kv_host_gib,
+                       host_tier_dtype=args.kv_host_dtype, recall_tokens=args.recall_tokens,
+                       recall_min_hit_rate=args.recall_min_hit_rate, **extra)
 
 
 def _add_served_options(parser: argparse.ArgumentParser) -> None:
@@ -432,11 +457,13 @@ def _kv_parallel_group(args: argparse.Namespace):
             f"-m streamgrok serve --kv-parallel {args.kv_parallel} ...`")
     if args.nano_batches != 1:
         raise StreamgrokError("--kv-parallel runs one batch a step: leave --nano-batches at 1")
+    if args.kv_host_gib is not None:
+        raise StreamgrokError("--kv-host-gib (the host tier and recall) does not work with "
+                              "--kv-parallel yet: leave one of them out")
     return KVGroup.from_env(timeout_s=args.kv_parallel_timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from streamgrok.cache.config import CacheConfig
     from streamgrok.engine.config import EngineConfig
     from streamgrok.logs import configure_logging
     from streamgrok.run import parse_options
@@ -453,8 +480,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_completion_tokens=args.max_completion_tokens,
         max_media_per_second=args.max_media_per_second, idle_timeout_s=args.idle_timeout,
         model_name=args.served_model_name, replica=args.replica_name)
-    cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
-                        memory_gib=args.kv_memory_gib)
+    cache = cache_config(args)
     engine = EngineConfig(max_batch=args.max_batch, step_tokens=args.step_tokens,
                           nano_batches=args.nano_batches,
                           small_step_threads=args.small_step_threads)

@@ -117,7 +117,8 @@ def run_command(loaded: LoadedModel, args) -> int:
     options = parse_options(args.set or [])
     if args.live:
         options["live"] = "true"
-    cache = CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
-                        kv_dtype=args.kv_dtype, memory_gib=args.kv_memory_gib)
+    from streamgrok.cli import cache_config
+
+    cache = cache_config(args, kv_dtype=args.kv_dtype)
     return asyncio.run(run_pipeline_file(loaded, args.pipeline, args.source, options, asks,
                                          cache, args.jsonl, not args.quiet_notes))

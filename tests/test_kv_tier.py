@@ -260,3 +260,29 @@ def test_config_rejects_a_tier_without_eviction():
         CacheConfig(policy="full", budget_tokens=None, host_tier_gib=1.0)
     with pytest.raises(ValueError, match="host_tier_dtype"):
         CacheConfig(host_tier_gib=1.0, host_tier_dtype="int4")
+
+
+async def test_engine_answers_recall_from_the_host_tier_and_report_it(tiny_loaded):
+    from streamgrok.engine import Engine, EngineConfig
+    from streamgrok.model.sampling import SamplingParams
+
+    cache = CacheConfig(policy="h2o", budget_tokens=128, evict_slack_tokens=16, memory_gib=0.02,
+                        host_tier_gib=0.01, recall_tokens=32, recall_min_hit_rate=0.0)
+    async with Engine(tiny_loaded, cache, EngineConfig(merge_window_s=0)) as engine:
+        session = engine.new_session("sys")
+        await session.append_message("note " * 120)
+        answer = session.ask("what was noted?", SamplingParams(max_tokens=6))
+        assert await answer.text()
+        metrics = answer.metrics.as_dict()
+        assert 0 < metrics["recalled_tokens"] <= 32 * tiny_loaded.config.num_layers
+        assert 0.0 < metrics["kv_hit_rate"] <= 1.0
+        assert metrics["recall_guard"] is False
+        tier = engine.snapshot()["host_tier"]
+        assert tier["recalls"] == 1 and tier["tokens"] > 0
+        assert tier["recalled_tokens"] == metrics["recalled_tokens"]
+        assert tier["kv_hit_rate_mean"] == pytest.approx(metrics["kv_hit_rate"], abs=1e-4)
+        second = session.ask("and now?", SamplingParams(max_tokens=4))
+        await second.text()  # the remembered first turn and the second both work
+        assert engine.snapshot()["host_tier"]["recalls"] == 2
+        await session.close()
+        assert engine.cache.tier.used_pages == 0 and engine.cache.pool.used_pages == 0

@@ -95,7 +95,11 @@ class KVParallelCache:
         num_pages: int | None = None,
         kernels: KernelOps | None = None,
     ) -> None:
+        if config is not None and config.recalls:
+            raise ValueError("the host tier and recall are not available with KV parallelism "
+                             "yet: leave host_tier_gib unset (--kv-host-gib) with --kv-parallel")
         self.group = group
+        self.tier = None  # no host tier under KV parallelism
         self.local = PagedKVCache(model_config, config, compute_dtype, device, num_pages,
                                   kernels)
         self.model_config = model_config

@@ -19,6 +19,7 @@ class AnswerMetrics:
     finish_reason: str | None = None
     asked_step: int = 0  # engine steps completed when the question was asked
     first_token_step: int | None = None  # the step that produced the first token
+    recall: dict | None = None  # what recall from the host tier did (RecallResult.as_dict)
 
     def on_token(self, now: float) -> None:
         if self.first_token_at is None:
@@ -45,6 +46,7 @@ class AnswerMetrics:
             "tokens": self.tokens,
             "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,
+            **(self.recall or {}),
         }
 
 
@@ -71,6 +73,8 @@ class EngineStats:
     answers_failed: int = 0
     dropped: Counter = field(default_factory=Counter)  # closed sessions and failed steps
     unprotected_tokens: int = 0
+    recall_failures: int = 0  # answers that went on without recall (no free pages)
+    hit_rates: deque = field(default_factory=lambda: deque(maxlen=256))  # recent answers
     errors: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))
 

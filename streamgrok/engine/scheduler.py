@@ -122,6 +122,8 @@ class Scheduler:
                 answer = span.answer
                 if span.kind == "prompt":
                     answer.prompt_done += len(span)
+                    if answer.recall_pending and answer.prompt_done == answer.prompt_end:
+                        self._recall(answer)
                 if index in sampled:
                     self._on_token(answer, sampled[index], now)
         self.stats.record(StepRecord(seconds, plan.decode_tokens, plan.prefill_tokens,
@@ -175,7 +177,23 @@ class Scheduler:
             "dropped_frames": sum(dropped.values()),
             "dropped": dict(dropped),
             "unprotected_tokens": stats.unprotected_tokens,
+            "host_tier": self._tier_snapshot(),
             "errors": stats.errors,
+        }
+
+    def _tier_snapshot(self) -> dict | None:
+        tier = self.cache.tier
+        if tier is None:
+            return None
+        stats = tier.stats
+        rates = list(self.stats.hit_rates)
+        return {
+            "bytes_used": tier.used_bytes, "bytes_capacity": tier.capacity_pages * tier.page_bytes,
+            "tokens": tier.tokens, "stored_tokens": stats.stored_tokens,
+            "dropped_tokens": stats.dropped_tokens, "recalls": stats.recalls,
+            "recalled_tokens": stats.recalled_tokens, "recall_bytes": stats.recall_bytes,
+            "guard_recalls": stats.guard_recalls, "recall_failures": self.stats.recall_failures,
+            "kv_hit_rate_mean": sum(rates) / len(rates) if rates else None,
         }
 
     def take_outputs(self) -> StepOutputs:
@@ -213,9 +231,25 @@ class Scheduler:
                     continue
                 session.pending.pop_head()
                 answer.seq_id = seq_id
+                if self.cache.tier is not None and answer.prompt.numel() > 1:
+                    self.cache.capture_queries(seq_id)
+                    answer.recall_pending = True
                 session.answers[answer.answer_id] = answer
                 self.stats.answers_started += 1
                 busy = True
+
+    def _recall(self, answer: AnswerState) -> None:
+        """Bring the host-tier pages the question attends to into the answer's fork (its
+        last prompt token then runs over them)."""
+        answer.recall_pending = False
+        try:
+            result = self.cache.recall(answer.seq_id, room=answer.sampling.max_tokens + 1)
+        except CacheFullError as exc:
+            log.warning("answer %d goes on without recall: %s", answer.answer_id, exc)
+            self.stats.recall_failures += 1
+            return
+        answer.metrics.recall = result.as_dict()
+        self.stats.hit_rates.append(result.hit_rate)
 
     def _consume(self, span: Span) -> None:
         session = span.session

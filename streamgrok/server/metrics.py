@@ -108,6 +108,7 @@ class _EngineCollector(Collector):
                                 value=snap["kv_bytes_used"])
         yield CounterMetricFamily("streamgrok_evicted_tokens", "Tokens evicted from the KV cache",
                                   value=snap["evicted_tokens"])
+        yield from _tier_metrics(snap.get("host_tier"))
         yield CounterMetricFamily("streamgrok_prefill_tokens", "Tokens prefilled",
                                   value=snap["prefill_tokens"])
         yield CounterMetricFamily("streamgrok_decode_tokens", "Tokens decoded",
@@ -121,3 +122,27 @@ class _EngineCollector(Collector):
         yield dropped
         yield GaugeMetricFamily("streamgrok_engine_sessions", "Engine sessions (live and "
                                 "one-shot HTTP requests)", value=snap["sessions"])
+
+
+def _tier_metrics(tier: dict | None) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """The host KV tier and recall (nothing when the server runs without a host tier)."""
+    if tier is None:
+        return
+    yield GaugeMetricFamily("streamgrok_kv_host_bytes", "Bytes of evicted KV in the host tier",
+                            value=tier["bytes_used"])
+    yield GaugeMetricFamily("streamgrok_kv_host_capacity_bytes", "The host tier's budget",
+                            value=tier["bytes_capacity"])
+    yield CounterMetricFamily("streamgrok_kv_host_dropped_tokens",
+                              "Tokens that left the host tier for good (its budget)",
+                              value=tier["dropped_tokens"])
+    yield CounterMetricFamily("streamgrok_kv_recalls", "Answers that recalled from the host tier",
+                              value=tier["recalls"])
+    yield CounterMetricFamily("streamgrok_kv_recalled_tokens",
+                              "Tokens recalled into answers (summed over layers)",
+                              value=tier["recalled_tokens"])
+    yield CounterMetricFamily("streamgrok_kv_guard_recalls",
+                              "Recalls the hit-rate guard extended", value=tier["guard_recalls"])
+    rate = tier["kv_hit_rate_mean"]
+    yield GaugeMetricFamily("streamgrok_kv_hit_rate",
+                            "Estimated KV hit rate, mean of recent answers (NaN before any)",
+                            value=float("nan") if rate is None else rate)
