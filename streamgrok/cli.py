@@ -220,7 +220,8 @@ def _add_bench_commands(commands) -> None:
     kv = benches.add_parser("kv", formatter_class=DEFAULTS,
                             help="KV cache: flat memory, passkey, perplexity, overhead")
     kv.add_argument("--parts", default="flat,passkey,ppl,overhead",
-                    help="which parts to run (also: kvp, KV parallelism over local ranks)")
+                    help="which parts to run (also: kvp, KV parallelism over local ranks; "
+                         "recall, the host tier and recall)")
     kv.add_argument("--tokens", type=int, default=100_000, help="tokens streamed (flat part)")
     kv.add_argument("--budget", type=int, default=2048, help="tokens per layer")
     kv.add_argument("--flat-policy", default="h2o", choices=POLICIES,
@@ -234,6 +235,16 @@ def _add_bench_commands(commands) -> None:
     kv.add_argument("--ppl-tokens", type=int, default=16_384, help="perplexity text length")
     kv.add_argument("--kvp-ranks", default="1,2,4", help="rank counts of the kvp part")
     kv.add_argument("--kvp-contexts", default="1024,4096", help="contexts of the kvp part")
+    kv.add_argument("--recall-contexts", default="4096,7168",
+                    help="stream lengths of the recall part (within the trained context)")
+    kv.add_argument("--recall-fractions", default="0.05,0.1,0.25",
+                    help="resident budgets of the recall part, as fractions of the context")
+    kv.add_argument("--recall-policy", default="redundancy", choices=POLICIES[1:],
+                    help="eviction policy of the recall part")
+    kv.add_argument("--recall-trials", type=int, default=2,
+                    help="needles per task and depth in the recall part")
+    kv.add_argument("--recall-stream-tokens", type=int, default=200_000,
+                    help="tokens of the recall part's long stream")
     kv.add_argument("--out", default="bench-results", help="folder for plots")
     _add_model_options(kv)
     kv.set_defaults(dtype="bfloat16")
@@ -377,6 +388,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         from streamgrok.bench.kv import KvBenchOptions, run_kv_bench
+        from streamgrok.bench.recall import RecallBenchOptions
 
         def floats(text: str) -> tuple[float, ...]:
             return tuple(float(x) for x in text.split(","))
@@ -395,6 +407,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 ppl_tokens=args.ppl_tokens,
                 kvp_ranks=tuple(int(x) for x in args.kvp_ranks.split(",")),
                 kvp_contexts=tuple(int(x) for x in args.kvp_contexts.split(",")),
+                recall=RecallBenchOptions(
+                    contexts=tuple(int(x) for x in args.recall_contexts.split(",")),
+                    fractions=floats(args.recall_fractions), policy=args.recall_policy,
+                    trials=args.recall_trials, flat_tokens=args.recall_stream_tokens,
+                    budget=args.budget),
                 weights=args.weights,
                 out_dir=Path(args.out),
             ),

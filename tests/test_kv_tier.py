@@ -81,6 +81,31 @@ def test_recalling_everything_attends_exactly_as_the_full_cache(backend):
     assert tier.layer_lengths(1) == full.layer_lengths(1)
 
 
+def test_rewound_question_prefilled_again_over_everything_matches_the_full_cache():
+    """The engine's way: the question's first pass only finds what to recall; it is dropped
+    and prefilled again over the recalled tokens."""
+    tier, full = tiered(recall_tokens=10_000), full_cache()
+    stream(tier)
+    stream(full)
+    tier.fork(0, 1)
+    tier.capture_queries(1)
+    append(tier, 1, 5, seed=200)
+    result = tier.recall(1, rewind=5)
+    assert result.tokens == tier.stats.evicted_tokens
+    assert tier.sequences[1].stream_pos == 5 * 24
+    assert tier.layer_lengths(1) == [5 * 24] * CFG.num_layers
+    full.fork(0, 1)
+    for cache in (tier, full):
+        append(cache, 1, 6, seed=100)
+    got, want = append(tier, 1, 1, seed=101), append(full, 1, 1, seed=101)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert tier.sequences[1].layers[0].column(STREAM).tolist() == list(range(5 * 24 + 7))
+    tier.remove_sequence(1)
+    tier.remove_sequence(0)
+    assert tier.pool.used_pages == 0
+
+
 def test_recalled_tokens_carry_their_own_keys_and_values():
     tier, full = tiered(recall_tokens=48, recall_min_hit_rate=0.0), full_cache()
     stream(tier)
@@ -144,7 +169,7 @@ def test_recall_picks_the_pages_a_brute_force_scorer_picks():
     cache.fork(0, 1)
     cache.capture_queries(1)
     append(cache, 1, 3, seed=100)
-    capture = cache._captures[1]
+    capture = cache.captured_queries(1)
     expected = []
     for layer in range(CFG.num_layers):
         rec = cache.sequences[1].layers[layer]

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from streamgrok.bench.corpus import stdlib_text
+from streamgrok.bench.recall import RecallBenchOptions
 from streamgrok.bench.timing import median, timed
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
@@ -44,6 +45,7 @@ class KvBenchOptions:
     kvp_ranks: tuple[int, ...] = (1, 2, 4)
     kvp_contexts: tuple[int, ...] = (1024, 4096)
     kvp_decode_steps: int = 8
+    recall: RecallBenchOptions = field(default_factory=RecallBenchOptions)
     weights: str = "auto"
     out_dir: Path = Path("bench-results")
     results: dict = field(default_factory=dict)
@@ -55,7 +57,7 @@ def run_kv_bench(loaded: LoadedModel, options: KvBenchOptions) -> dict:
           f"threads {torch.get_num_threads()}")
     options.out_dir.mkdir(parents=True, exist_ok=True)
     runners = {"flat": flat_memory, "passkey": passkey, "ppl": perplexity,
-               "overhead": eviction_overhead, "kvp": kv_parallel}
+               "overhead": eviction_overhead, "kvp": kv_parallel, "recall": recall}
     for part in options.parts:
         if part not in runners:
             raise ValueError(f"unknown bench kv part {part!r} (choose from {', '.join(runners)})")
@@ -69,6 +71,13 @@ def kv_parallel(loaded: LoadedModel, options: KvBenchOptions) -> dict:
 
     return run_kvp(loaded, options.weights, options.kvp_ranks, options.kvp_contexts,
                    options.kvp_decode_steps, options.chunk, options.out_dir)
+
+
+def recall(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """The host tier and recall: fidelity, retrieval, cost, long stream (see bench.recall)."""
+    from streamgrok.bench.recall import run_recall
+
+    return run_recall(loaded, options.recall, options.out_dir)
 
 
 def _cache(loaded: LoadedModel, policy: str, budget: int | None, memory_gib: float = 1.0,

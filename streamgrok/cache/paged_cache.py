@@ -498,12 +498,16 @@ class PagedKVCache:
 
     # -- host tier and recall --------------------------------------------------------------
 
-    def capture_queries(self, seq_id: int) -> None:
-        """Keep the last `recall_queries` queries of every layer the sequence (an answer's
-        fork) attends with from now on, for `recall`."""
+    def capture_queries(self, seq_id: int, keep: int | None = None) -> None:
+        """Keep the last `keep` (default `recall_queries`) queries of every layer the
+        sequence (an answer's fork) attends with from now on, for `recall`."""
         if seq_id not in self.sequences:
             raise KeyError(f"unknown sequence {seq_id}")
-        self._captures[seq_id] = QueryCapture(self.config.recall_queries)
+        self._captures[seq_id] = QueryCapture(keep or self.config.recall_queries)
+
+    def captured_queries(self, seq_id: int) -> QueryCapture | None:
+        """What `capture_queries` has kept for the sequence so far (recall consumes it)."""
+        return self._captures.get(seq_id)
 
     def _capture(self, layer: int, q: torch.Tensor, group: SpanGroup) -> None:
         start = 0
@@ -523,11 +527,13 @@ class PagedKVCache:
         self.tier.store(seq_id, layer, k, v, rec.meta[index])
 
     @torch.inference_mode()
-    def recall(self, seq_id: int, room: int = 0) -> RecallResult:
+    def recall(self, seq_id: int, room: int = 0, rewind: int = 0) -> RecallResult:
         """Bring back into the sequence (an answer's fork, after `capture_queries` and its
         prompt but the last token) the host-tier pages its captured queries score highest,
         per layer, in stream order; keep every layer, with `room` tokens still to come, within
         the model's trained context. The fork may hold the recalled tokens beyond its budget.
+        With `rewind`, the sequence's newest `rewind` tokens (the prompt that was prefilled
+        to capture the queries) are dropped, to be prefilled again over what came back.
         Without a host tier or captured queries, nothing happens."""
         started = time.perf_counter()
         seq = self.sequences[seq_id]
@@ -544,10 +550,12 @@ class PagedKVCache:
             queries = capture.layers[index] if index < len(capture.layers) else None
             if tier_layer is None or tier_layer.num_pages == 0 or queries is None:
                 hits.append(1.0)
+                self._drop_newest(rec, rewind)
                 continue
             cap = self.model_config.max_positions - room - rec.length
             budget = self.config.recall_tokens or self.budgets[index] or 0
             choice = self._choose(rec, tier_layer, queries, budget, max(0, cap))
+            self._drop_newest(rec, rewind)
             hits.append(choice.hit_rate)
             result.guard |= choice.guard
             result.limited |= choice.limited
@@ -562,6 +570,7 @@ class PagedKVCache:
                 continue
             seq.budget_bonus[index] += k.shape[0]
             result.layer_tokens[index] = k.shape[0]
+        seq.stream_pos -= rewind
         result.tokens = sum(result.layer_tokens)
         result.hit_rate = sum(hits) / len(hits)
         result.bytes_moved = self.tier.stats.recall_bytes - bytes_before
@@ -572,6 +581,16 @@ class PagedKVCache:
         stats.guard_recalls += result.guard
         stats.recall_seconds += result.seconds
         return result
+
+    def _drop_newest(self, rec: LayerTokens, count: int) -> None:
+        if count <= 0:
+            return
+        if count > rec.length:
+            raise ValueError(f"cannot rewind {count} tokens of a layer holding {rec.length}")
+        rec.length -= count
+        used = math.ceil(rec.length / self.config.page_size)
+        self.pool.release(rec.pages[used:])
+        rec.set_pages(rec.pages[:used])
 
     def _choose(self, rec: LayerTokens, tier_layer, queries, budget: int, cap: int):
         q, positions = queries

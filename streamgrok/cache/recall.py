@@ -13,8 +13,13 @@ positions they had):
    everything resident;
 3. pages are taken best first within the recall budget (tokens per layer); the estimated hit
    rate, the share of attention resident after recall, counts each page's mass as its token
-   count times exp(q . R(p) c - lse). When the estimate is below the guard's threshold, more
-   pages are taken until it is met, or the position cap (the model's trained context) is hit.
+   count times exp(q . R(p) c + (|q| r)^2 / 2D - lse) (the mean of exp over logits spread
+   around the center's with the variance of a key anywhere in the ball). When the estimate is
+   below the guard's threshold, more pages are taken until it is met, or until the position
+   cap (the model's trained context) is hit.
+
+The engine then drops the question from the fork and prefills it again over what came back:
+its first pass only chose what to recall.
 """
 
 from __future__ import annotations
@@ -96,7 +101,9 @@ def score_pages(q_rot: torch.Tensor, lse: torch.Tensor, centers_rot: torch.Tenso
     center = torch.einsum("rkgd,pkd->rkgp", qg, centers_rot.float()) * scale
     reach = torch.linalg.vector_norm(qg, dim=-1)[..., None] * radii.float().T[None, :, None, :]
     bound = center + reach * scale - lse[..., None]
-    mass = counts.to(center.device, torch.float32) * torch.exp(center - lse[..., None])
+    # logits of keys spread around the center: lognormal mean, variance (|q| r)^2 / D
+    spread = (reach * scale) ** 2 / (2 * dim)
+    mass = counts.to(center.device, torch.float32) * torch.exp(center + spread - lse[..., None])
     return bound.amax(dim=(0, 1, 2)), mass.reshape(-1, centers_rot.shape[0])
 
 

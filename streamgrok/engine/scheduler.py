@@ -239,15 +239,17 @@ class Scheduler:
                 busy = True
 
     def _recall(self, answer: AnswerState) -> None:
-        """Bring the host-tier pages the question attends to into the answer's fork (its
-        last prompt token then runs over them)."""
+        """Bring the host-tier pages the question attends to into the answer's fork; the
+        question is then prefilled again over them (its first pass found what to recall)."""
         answer.recall_pending = False
         try:
-            result = self.cache.recall(answer.seq_id, room=answer.sampling.max_tokens + 1)
+            result = self.cache.recall(answer.seq_id, room=answer.sampling.max_tokens + 1,
+                                       rewind=answer.prompt_done)
         except CacheFullError as exc:
             log.warning("answer %d goes on without recall: %s", answer.answer_id, exc)
             self.stats.recall_failures += 1
             return
+        answer.prompt_done = 0
         answer.metrics.recall = result.as_dict()
         self.stats.hit_rates.append(result.hit_rate)
 

@@ -30,7 +30,8 @@ class AnswerState:
     append_to_context: bool = True
     seq_id: int | None = None  # the fork, once the question is reached in the stream
     prompt_done: int = 0
-    recall_pending: bool = False  # the host tier is recalled before the prompt's last token
+    recall_pending: bool = False  # the prompt but its last token runs to capture queries,
+    # then recall, then the whole prompt again
     generated: list[int] = field(default_factory=list)
     next_token: int | None = None
     metrics: AnswerMetrics = field(default_factory=AnswerMetrics)

@@ -1,0 +1,477 @@
+"""`streamgrok bench kv --parts recall`: what the host tier and recall win back.
+
+Model-independent fidelity first (a 135M model answers retrieval questions poorly even with
+the full cache): for streams of prose and of observer-style notes, at resident budgets of a
+fraction of the context, an evicting cache answers a question with recall off and on, and is
+compared with the full cache on the same tokens (all within the model's trained context):
+
+* exact KV hit rate: the share of the full cache's attention (the question's last token and
+  every answer token, every layer and head) that falls on tokens the evicting answer had
+  resident when it ran; beside it the hit rate recall estimated from its page summaries;
+* KL divergence and top-1 agreement of the next-token distributions over the answer tokens
+  (the full cache's greedy answer, teacher-forced).
+
+Then task accuracy (a pass key in prose, a plate number in camera notes, at several depths),
+the cost (time from the question to its first token, recall's share of it, bytes moved, host
+memory) and the working set over a long stream that asks questions with recall on.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.recall import attention_scale, rotate
+from streamgrok.cache.streaming import feed
+from streamgrok.cache.tokens import STREAM
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.loader import LoadedModel
+
+STREAM_KINDS = ("prose", "notes")
+QUESTIONS = {
+    "prose": "\n\nQuestion: What does the text above explain? Answer in one sentence.\nAnswer:",
+    "notes": "\n\nQuestion: What did camera 2 see, and when?\nAnswer:",
+}
+
+
+@dataclass
+class RecallBenchOptions:
+    """What the recall part runs (set from `streamgrok bench kv` options)."""
+
+    contexts: tuple[int, ...] = (4096, 7168)
+    fractions: tuple[float, ...] = (0.05, 0.1, 0.25)
+    policy: str = "redundancy"
+    answer_tokens: int = 16
+    depths: tuple[float, ...] = (0.05, 0.5, 0.95)
+    trials: int = 2
+    flat_tokens: int = 200_000
+    flat_questions: int = 5
+    budget: int = 2048
+    chunk: int = 512
+
+
+# -- streams --------------------------------------------------------------------------------
+
+def prose_text(chars: int, skip: int = 0) -> str:
+    """English prose offline: the Python documentation's topics."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    while len(text) < skip + chars:
+        text += "\n\n" + text
+    return text[skip : skip + chars]
+
+
+def notes_text(lines: int, seed: int) -> str:
+    """Observer-style notes of a few cameras, one event per line, with times."""
+    rng = random.Random(seed)
+    colours = ["red", "grey", "blue", "white", "green", "black", "yellow"]
+    events = [
+        lambda: f"motion {rng.randint(2, 60)}% {rng.choice(['left', 'right', 'up', 'down'])}",
+        lambda: f"colours now {rng.choice(colours)} and {rng.choice(colours)}",
+        lambda: f"{rng.randint(1, 4)} people in view",
+        lambda: f"a person {rng.choice(['enters', 'leaves'])} at the "
+                f"{rng.choice(['left', 'right'])} edge",
+        lambda: f"text read: {rng.choice(['EXIT', 'GATE', 'OPEN', 'NO PARKING', 'LOADING'])}",
+        lambda: f"a {rng.choice(colours)} {rng.choice(['car', 'van', 'bike', 'truck'])} "
+                f"passes {rng.choice(['left to right', 'right to left'])}",
+        lambda: "scene cut",
+    ]
+    out = []
+    for i in range(lines):
+        t = 2 * i + rng.randint(0, 1)
+        out.append(f"[{t // 60:02d}:{t % 60:02d}] camera {rng.randint(1, 4)}: "
+                   f"{rng.choice(events)()}.")
+    return "\n".join(out)
+
+
+def stream_ids(loaded: LoadedModel, kind: str, tokens: int, seed: int = 0) -> list[int]:
+    tok = loaded.tokenizer
+    text = prose_text(tokens * 8, skip=seed * 50_000) if kind == "prose" else \
+        notes_text(tokens // 8, seed)
+    ids = tok.encode(text)
+    if len(ids) < tokens:
+        raise RuntimeError(f"the {kind} stream holds only {len(ids)} tokens")
+    return ids[:tokens]
+
+
+# -- one answer -----------------------------------------------------------------------------
+
+def prefill(model, cache: PagedKVCache, seq_id: int, ids: list[int], all_logits: bool = False
+            ) -> torch.Tensor:
+    """Append ids to a sequence without evicting (an answer's fork); returns logits."""
+    part = torch.tensor(ids, dtype=torch.long, device=model.device)
+    batch = BatchMetadata.build([seq_id], [len(ids)], model.device)
+    if all_logits:
+        batch.logit_rows = None
+    with torch.inference_mode():
+        return model(part, batch, cache)
+
+
+@dataclass
+class Answer:
+    """One answer on a fork: its logits over the answer positions and what recall did."""
+
+    logits: torch.Tensor  # [A, vocab], rows: the question's last token, answer[:-1]
+    seconds: float  # from the question's first token to the first answer token's logits
+    recall_seconds: float = 0.0
+    recalled: int = 0
+    estimated_hit: float | None = None
+    bytes_moved: int = 0
+    resident: list[torch.Tensor] | None = None  # per layer, stream indices it attended
+
+
+def forced_answer(model, cache: PagedKVCache, fork: int, question: list[int],
+                  answer: list[int], use_recall: bool) -> Answer:
+    """The question on a fork of sequence 0 (recall before its last token when asked), then
+    the answer tokens teacher-forced."""
+    cache.fork(0, fork)
+    started = time.perf_counter()
+    if use_recall:
+        cache.capture_queries(fork)
+    prefill(model, cache, fork, question[:-1])
+    result = None
+    if use_recall:  # the question again over what came back, as the engine does
+        result = cache.recall(fork, room=len(answer) + 1, rewind=len(question) - 1)
+        first = prefill(model, cache, fork, question)
+    else:
+        first = prefill(model, cache, fork, question[-1:])
+    seconds = time.perf_counter() - started
+    rest = prefill(model, cache, fork, answer[:-1], all_logits=True) if len(answer) > 1 else \
+        first[:0]
+    resident = [rec.column(STREAM).clone() for rec in cache.sequences[fork].layers]
+    cache.remove_sequence(fork)
+    out = Answer(torch.cat([first[-1:], rest]).float(), seconds, resident=resident)
+    if result is not None:
+        out.recall_seconds, out.recalled = result.seconds, result.tokens
+        out.estimated_hit, out.bytes_moved = result.hit_rate, result.bytes_moved
+    return out
+
+
+def full_answer(model, cache: PagedKVCache, fork: int, question: list[int], tokens: int
+                ) -> tuple[list[int], torch.Tensor, list[torch.Tensor]]:
+    """The full cache's greedy answer, its logits, and its attention probabilities of those
+    answer positions over every cached token, per layer [A, heads, n]."""
+    cache.fork(0, fork)
+    prefill(model, cache, fork, question[:-1])
+    cache.capture_queries(fork, keep=tokens)
+    logits = [prefill(model, cache, fork, question[-1:])[-1]]
+    answer = [int(logits[-1].argmax())]
+    while len(answer) < tokens:
+        logits.append(prefill(model, cache, fork, answer[-1:])[-1])
+        answer.append(int(logits[-1].argmax()))
+    probs = attention_probabilities(cache, fork)
+    cache.remove_sequence(fork)
+    return answer, torch.stack(logits).float(), probs
+
+
+def attention_probabilities(cache: PagedKVCache, seq_id: int) -> list[torch.Tensor]:
+    """Softmax attention [R, heads, n] of the sequence's captured queries over its tokens."""
+    capture = cache.captured_queries(seq_id)
+    scale = attention_scale(cache.model_config.head_dim)
+    out = []
+    for rec, (q, positions) in zip(cache.sequences[seq_id].layers, capture.layers):
+        n = rec.length
+        tables = cache.rotary.tables(n + 1)
+        keys, _ = cache.pool.read(rec.slots().to(cache.device))
+        k_rot = rotate(cache.kernels, keys, torch.arange(n, device=cache.device), tables)
+        q_rot = rotate(cache.kernels, q, positions, tables).float()
+        rows, heads, dim = q_rot.shape
+        kv_heads = k_rot.shape[1]
+        qg = q_rot.view(rows, kv_heads, heads // kv_heads, dim)
+        logits = torch.einsum("rkgd,nkd->rkgn", qg, k_rot.float()) * scale
+        future = torch.arange(n, device=q.device)[None, :] > positions.to(q.device)[:, None]
+        logits = logits.masked_fill(future[:, None, None, :], float("-inf"))
+        out.append(logits.softmax(-1).reshape(rows, heads, n).cpu())
+    return out
+
+
+def exact_hit_rate(probs: list[torch.Tensor], resident: list[torch.Tensor],
+                   first_answer_stream: int) -> float:
+    """Share of the full cache's attention on tokens the evicting answer had: its resident
+    stream indices per layer, plus every token from the answer on (its own)."""
+    shares = []
+    for layer_probs, layer_streams in zip(probs, resident):
+        n = layer_probs.shape[-1]
+        stream = torch.arange(n, dtype=torch.float64)  # the full cache keeps every token
+        held = torch.isin(stream, layer_streams) | (stream >= first_answer_stream)
+        shares.append(float(layer_probs[..., held].sum(-1).mean()))
+    return sum(shares) / len(shares)
+
+
+def kl_top1(full: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    logp = torch.log_softmax(full, -1)
+    logq = torch.log_softmax(other, -1)
+    kl = float((logp.exp() * (logp - logq)).sum(-1).mean())
+    return kl, float((full.argmax(-1) == other.argmax(-1)).float().mean())
+
+
+def tiered_cache(loaded: LoadedModel, policy: str, budget: int | None,
+                 host_gib: float | None = None, memory_gib: float = 1.0,
+                 **extra) -> PagedKVCache:
+    config = CacheConfig(policy=policy, budget_tokens=budget, memory_gib=memory_gib,
+                         host_tier_gib=host_gib, **extra)
+    return PagedKVCache(loaded.config, config, loaded.model.dtype, loaded.model.device,
+                        kernels=loaded.model.kernels)
+
+
+def host_gib_for(loaded: LoadedModel, tokens: int) -> float:
+    """A host tier that holds `tokens` evicted tokens of every layer (float storage)."""
+    cfg = loaded.config
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * loaded.model.dtype.itemsize
+    return tokens * per_token * cfg.num_layers * 1.1 / 2**30 + 0.01
+
+
+# -- the parts ------------------------------------------------------------------------------
+
+def run_recall(loaded: LoadedModel, options: RecallBenchOptions, out_dir) -> dict:
+    """Fidelity, retrieval accuracy, cost and the long-stream working set."""
+    trained = loaded.config.max_positions
+    too_long = [c for c in options.contexts if c + 64 + options.answer_tokens > trained]
+    if too_long:
+        raise ValueError(f"recall contexts {too_long} do not fit the model's trained context "
+                         f"({trained}) with a question and an answer")
+    fidelity_rows = fidelity(loaded, options)
+    accuracy = retrieval(loaded, options)
+    flat = long_stream(loaded, options)
+    _plot(fidelity_rows, options, out_dir)
+    return {"fidelity": fidelity_rows, "retrieval": accuracy, "flat": flat}
+
+
+def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
+    model, tok = loaded.model, loaded.tokenizer
+    rows = []
+    total = len(STREAM_KINDS) * len(options.contexts) * (1 + len(options.fractions))
+    bar = tqdm(total=total, desc="bench kv recall fidelity", leave=False)
+    for kind in STREAM_KINDS:
+        question = tok.encode(QUESTIONS[kind])
+        for context in options.contexts:
+            ids = stream_ids(loaded, kind, context)
+            full = tiered_cache(loaded, "full", None)
+            full.add_sequence(0)
+            feed(model, full, 0, ids, chunk=options.chunk)
+            answer, full_logits, probs = full_answer(model, full, 1, question,
+                                                     options.answer_tokens)
+            full_ttft = forced_answer(model, full, 2, question, answer, False).seconds
+            del full
+            bar.update()
+            first_answer = context + len(question)
+            for fraction in options.fractions:
+                budget = int(context * fraction)
+                cache = tiered_cache(loaded, options.policy, budget,
+                                     host_gib=host_gib_for(loaded, context))
+                cache.add_sequence(0)
+                feed(model, cache, 0, ids, chunk=options.chunk)
+                for use_recall in (False, True):
+                    got = forced_answer(model, cache, 3, question, answer, use_recall)
+                    kl, top1 = kl_top1(full_logits, got.logits)
+                    rows.append({
+                        "stream": kind, "context": context, "fraction": fraction,
+                        "recall": use_recall, "hit": exact_hit_rate(probs, got.resident,
+                                                                    first_answer),
+                        "estimated": got.estimated_hit, "kl": kl, "top1": top1,
+                        "recalled": got.recalled / loaded.config.num_layers,
+                        "ttft_ms": got.seconds * 1e3, "recall_ms": got.recall_seconds * 1e3,
+                        "full_ttft_ms": full_ttft * 1e3, "bytes": got.bytes_moved,
+                        "host_mib": cache.tier.used_bytes / 2**20,
+                    })
+                del cache
+                bar.update()
+    bar.close()
+    _print_fidelity(rows, options)
+    return rows
+
+
+def _print_fidelity(rows: list[dict], options: RecallBenchOptions) -> None:
+    print(f"\n[recall fidelity] policy {options.policy}; budget = resident share of the "
+          f"context; {options.answer_tokens} answer tokens (the full cache's greedy answer) "
+          f"teacher-forced after a question; hit = share of the full cache's attention on "
+          f"tokens resident in the answer (exact), est = recall's own estimate")
+    print(f"{'stream':<6} {'context':>7} {'budget':>6} {'recall':>6} {'hit':>6} {'est':>6} "
+          f"{'KL':>7} {'top-1':>6} {'recalled/layer':>14} {'TTFT ms':>8} {'recall ms':>9} "
+          f"{'full TTFT':>9} {'MiB moved':>9} {'host MiB':>8}")
+    for r in rows:
+        est = "-" if r["estimated"] is None else f"{r['estimated']:.3f}"
+        print(f"{r['stream']:<6} {r['context']:>7} {r['fraction']:>6.0%} "
+              f"{'on' if r['recall'] else 'off':>6} {r['hit']:>6.3f} {est:>6} {r['kl']:>7.4f} "
+              f"{r['top1']:>6.0%} {r['recalled']:>14.0f} {r['ttft_ms']:>8.0f} "
+              f"{r['recall_ms']:>9.0f} {r['full_ttft_ms']:>9.0f} "
+              f"{r['bytes'] / 2**20:>9.1f} {r['host_mib']:>8.1f}")
+    for fraction in options.fractions:
+        for use_recall in (False, True):
+            chosen = [r for r in rows if r["fraction"] == fraction and r["recall"] == use_recall]
+            if not chosen:
+                continue
+            mean = {k: sum(r[k] for r in chosen) / len(chosen)
+                    for k in ("hit", "kl", "top1", "ttft_ms", "full_ttft_ms")}
+            print(f"mean at {fraction:.0%}, recall {'on ' if use_recall else 'off'}: hit "
+                  f"{mean['hit']:.3f}, KL {mean['kl']:.4f}, top-1 {mean['top1']:.0%}, TTFT "
+                  f"{mean['ttft_ms']:.0f} ms ({mean['ttft_ms'] / mean['full_ttft_ms']:.2f}x the "
+                  f"full cache's {mean['full_ttft_ms']:.0f} ms)")
+    for fraction in options.fractions:
+        off = [r for r in rows if r["fraction"] == fraction and not r["recall"]]
+        on = [r for r in rows if r["fraction"] == fraction and r["recall"]]
+        if off and on:
+            t_off = sum(r["ttft_ms"] for r in off) / len(off)
+            t_on = sum(r["ttft_ms"] for r in on) / len(on)
+            print(f"TTFT overhead of recall at {fraction:.0%}: {t_on / t_off - 1:+.0%} "
+                  f"({t_off:.0f} -> {t_on:.0f} ms from the question to its first token)")
+
+
+def needle_case(loaded: LoadedModel, task: str, context: int, depth: float, rng: random.Random
+                ) -> tuple[list[int], list[int], str]:
+    """(stream ids, question ids, the expected answer) with the needle at `depth`."""
+    tok = loaded.tokenizer
+    if task == "passkey":
+        key = f"{rng.randint(100000, 999999)}"
+        needle = tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
+        body = stream_ids(loaded, "prose", context, seed=rng.randint(0, 20))
+        question = tok.encode("\n\nWhat is the pass key? The pass key is")
+    else:
+        key = f"{rng.randint(1000, 9999)}"
+        needle = tok.encode(f"\n[12:07] camera 3: a red van with plate KX {key} stops at "
+                            f"gate 7.\n")
+        body = stream_ids(loaded, "notes", context, seed=rng.randint(0, 1000))
+        question = tok.encode("\n\nWhich plate did the red van at gate 7 have? It had plate KX")
+    body = body[: context - len(needle) - len(question)]
+    cut = int(len(body) * depth)
+    return body[:cut] + needle + body[cut:], question, key
+
+
+def retrieval(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
+    """Pass key in prose and plate in notes, at each depth: full cache, recall off, on."""
+    model, tok = loaded.model, loaded.tokenizer
+    context = max(options.contexts)
+    fraction = 0.1 if 0.1 in options.fractions else options.fractions[0]
+    budget = int(context * fraction)
+    rng = random.Random(4321)
+    hits: dict[tuple[str, float, str], int] = {}
+    tasks = ("passkey", "notes")
+    bar = tqdm(total=len(tasks) * len(options.depths) * options.trials,
+               desc="bench kv recall retrieval", leave=False)
+    for task in tasks:
+        for depth in options.depths:
+            for _ in range(options.trials):
+                ids, question, key = needle_case(loaded, task, context, depth, rng)
+                for name, policy, size in (("full", "full", None), ("evict", options.policy,
+                                                                      budget)):
+                    cache = tiered_cache(loaded, policy, size, host_gib=None if size is None
+                                         else host_gib_for(loaded, context))
+                    cache.add_sequence(0)
+                    feed(model, cache, 0, ids, chunk=options.chunk)
+                    modes = (False,) if size is None else (False, True)
+                    for use_recall in modes:
+                        text = tok.decode(greedy_answer(model, cache, question, 8, use_recall))
+                        label = name if size is None else ("on" if use_recall else "off")
+                        hits[(task, depth, label)] = hits.get((task, depth, label), 0) + (
+                            key in text)
+                    del cache
+                bar.update()
+    bar.close()
+    print(f"\n[recall retrieval] context {context}, budget {fraction:.0%} ({budget} tokens "
+          f"resident per layer), policy {options.policy}, {options.trials} trials per depth; "
+          f"correct answers")
+    print(f"{'task':<8} {'depth':>5} {'full':>5} {'off':>5} {'on':>5}")
+    for task in tasks:
+        for depth in options.depths:
+            cells = [f"{hits.get((task, depth, m), 0)}/{options.trials}"
+                     for m in ("full", "off", "on")]
+            print(f"{task:<8} {depth:>5.0%} " + " ".join(f"{c:>5}" for c in cells))
+    return {f"{t}@{d}@{m}": n for (t, d, m), n in hits.items()}
+
+
+def greedy_answer(model, cache: PagedKVCache, question: list[int], tokens: int,
+                  use_recall: bool) -> list[int]:
+    cache.fork(0, 9)
+    if use_recall:
+        cache.capture_queries(9)
+    prefill(model, cache, 9, question[:-1])
+    if use_recall:
+        cache.recall(9, room=tokens + 1, rewind=len(question) - 1)
+        logits = prefill(model, cache, 9, question)
+    else:
+        logits = prefill(model, cache, 9, question[-1:])
+    out = [int(logits[-1].argmax())]
+    while len(out) < tokens:
+        out.append(int(prefill(model, cache, 9, out[-1:])[-1].argmax()))
+    cache.remove_sequence(9)
+    return out
+
+
+def long_stream(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
+    """Working-set pages, host tier and RSS over a long stream asking with recall on."""
+    model, tok = loaded.model, loaded.tokenizer
+    total = options.flat_tokens
+    host_gib = host_gib_for(loaded, 4 * options.budget)  # the tier fills and drops
+    cache = tiered_cache(loaded, options.policy, options.budget, host_gib=host_gib,
+                         memory_gib=1.0)
+    cache.add_sequence(0)
+    question = tok.encode(QUESTIONS["prose"])
+    ids: list[int] = []
+    skip = 0
+    while len(ids) < total:
+        ids += tok.encode(prose_text(400_000, skip=skip))
+        skip += 400_000
+    process = psutil.Process()
+    every = total // options.flat_questions
+    rows = []
+    bar = tqdm(total=total, desc="bench kv recall long stream", unit="tok", leave=False)
+    started = time.perf_counter()
+    for start in range(0, total, every):
+        feed(model, cache, 0, ids[start : start + every], chunk=options.chunk)
+        bar.update(every)
+        forced_answer(model, cache, 5, question, question[:4], True)
+        rows.append((start + every, cache.pool.used_pages, cache.tier.used_bytes,
+                     cache.tier.stats.dropped_tokens, process.memory_info().rss))
+    bar.close()
+    elapsed = time.perf_counter() - started
+    print(f"\n[recall long stream] {total} tokens of prose in {elapsed:.0f} s, budget "
+          f"{options.budget}, host tier {host_gib:.2f} GiB, a question with recall every "
+          f"{every} tokens")
+    print(f"{'tokens':>9} {'pages':>7} {'KV MiB':>8} {'host MiB':>9} {'dropped':>10} "
+          f"{'RSS MiB':>8}")
+    for done, pages, host, dropped, rss in rows:
+        print(f"{done:>9} {pages:>7} {pages * cache.page_bytes / 2**20:>8.1f} "
+              f"{host / 2**20:>9.1f} {dropped:>10} {rss / 2**20:>8.0f}")
+    first, last = rows[0], rows[-1]
+    drift = {"pages": last[1] / first[1] - 1, "host": last[2] / max(1, first[2]) - 1,
+             "rss": last[4] / first[4] - 1}
+    print(f"drift first -> last question: working set {drift['pages']:+.1%}, host tier "
+          f"{drift['host']:+.1%}, RSS {drift['rss']:+.1%} (flat = within 5%)")
+    return {"rows": rows, "drift": drift}
+
+
+def _plot(rows: list[dict], options: RecallBenchOptions, out_dir) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for metric, ax, label in (("hit", axes[0], "exact KV hit rate"),
+                              ("top1", axes[1], "top-1 agreement with the full cache")):
+        for use_recall, style in ((False, "--"), (True, "-")):
+            xs = list(options.fractions)
+            ys = []
+            for f in xs:
+                chosen = [r[metric] for r in rows if r["fraction"] == f
+                          and r["recall"] == use_recall]
+                ys.append(100 * sum(chosen) / len(chosen))
+            ax.plot([x * 100 for x in xs], ys, style, marker="o",
+                    label=f"recall {'on' if use_recall else 'off'}")
+        ax.set_xlabel("resident budget (% of the context)")
+        ax.set_ylabel(f"{label} (%)")
+        ax.set_ylim(0, 105)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "kv_recall.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
