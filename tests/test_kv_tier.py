@@ -53,24 +53,27 @@ def stream(cache: PagedKVCache, chunks: int = 5, size: int = 24) -> None:
 
 
 def ask(cache: PagedKVCache, prompt: int = 6, room: int = 0):
-    """Fork the stream, prefill a question but its last token, recall."""
+    """Fork the stream and prefill a question that recalls as it goes (the engine's way)."""
     cache.fork(0, 1)
-    cache.capture_queries(1)
-    append(cache, 1, prompt - 1, seed=100)
-    return cache.recall(1, room=room)
+    cache.recall_next_pass(1, room=room)
+    append(cache, 1, prompt, seed=100)
+    return cache.take_recall(1)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_recalling_everything_attends_exactly_as_the_full_cache(backend):
-    tier, full = tiered(recall_tokens=10_000, backend=backend), full_cache(backend)
+def test_explicit_recall_of_everything_then_attends_exactly_as_the_full_cache():
+    """Queries captured in one pass, recall after it: the next token sees the full cache."""
+    tier, full = tiered(recall_tokens=10_000), full_cache()
     stream(tier)
     stream(full)
     assert tier.stats.evicted_tokens > 0
-    result = ask(tier)
-    ask(full)
+    for cache in (tier, full):
+        cache.fork(0, 1)
+        cache.capture_queries(1)
+        append(cache, 1, 6, seed=100)
+    result = tier.recall(1)
     assert result.tokens == tier.stats.evicted_tokens
     for rec in tier.sequences[1].layers:  # every token back, in stream order
-        assert torch.equal(rec.column(STREAM), torch.arange(5 * 24 + 5, dtype=torch.float64))
+        assert torch.equal(rec.column(STREAM), torch.arange(5 * 24 + 6, dtype=torch.float64))
     got = append(tier, 1, 1, seed=101)
     want = append(full, 1, 1, seed=101)
     for a, b in zip(got, want):
@@ -81,29 +84,30 @@ def test_recalling_everything_attends_exactly_as_the_full_cache(backend):
     assert tier.layer_lengths(1) == full.layer_lengths(1)
 
 
-def test_rewound_question_prefilled_again_over_everything_matches_the_full_cache():
-    """The engine's way: the question's first pass only finds what to recall; it is dropped
-    and prefilled again over the recalled tokens."""
-    tier, full = tiered(recall_tokens=10_000), full_cache()
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_in_pass_recall_of_everything_attends_exactly_as_the_full_cache(backend):
+    """The engine's way: at each layer, before the question attends, its own queries recall;
+    with everything recalled the question's attention is the full cache's, layer by layer."""
+    tier, full = tiered(recall_tokens=10_000, backend=backend), full_cache(backend)
     stream(tier)
     stream(full)
     tier.fork(0, 1)
-    tier.capture_queries(1)
-    append(tier, 1, 5, seed=200)
-    result = tier.recall(1, rewind=5)
-    assert result.tokens == tier.stats.evicted_tokens
-    assert tier.sequences[1].stream_pos == 5 * 24
-    assert tier.layer_lengths(1) == [5 * 24] * CFG.num_layers
     full.fork(0, 1)
-    for cache in (tier, full):
-        append(cache, 1, 6, seed=100)
+    tier.recall_next_pass(1)
+    got, want = append(tier, 1, 6, seed=100), append(full, 1, 6, seed=100)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    result = tier.take_recall(1)
+    assert result.tokens == tier.stats.evicted_tokens and result.hit_rate == 1.0
+    assert tier.take_recall(1) is None
+    for rec in tier.sequences[1].layers:
+        assert rec.column(STREAM).tolist() == list(range(5 * 24 + 6))
     got, want = append(tier, 1, 1, seed=101), append(full, 1, 1, seed=101)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert tier.sequences[1].layers[0].column(STREAM).tolist() == list(range(5 * 24 + 7))
     tier.remove_sequence(1)
     tier.remove_sequence(0)
-    assert tier.pool.used_pages == 0
+    assert tier.pool.used_pages == 0 and tier.tier.used_pages == 0
 
 
 def test_recalled_tokens_carry_their_own_keys_and_values():
@@ -176,7 +180,8 @@ def test_recall_picks_the_pages_a_brute_force_scorer_picks():
         tier_layer = cache.tier.layer(0, layer)
         assert tier_layer.num_pages >= 3
         expected.append(brute_force_choice(cache, capture.layers[layer], rec, tier_layer, 40))
-        choice = cache._choose(rec, tier_layer, capture.layers[layer], 40, 10_000)
+        choice = cache.recaller.choose(rec, rec.length, tier_layer, capture.layers[layer], 40,
+                                        10_000)
         assert choice.index.tolist() == expected[-1]
     result = cache.recall(1)
     assert result.layer_tokens == [
@@ -311,3 +316,48 @@ async def test_engine_answers_recall_from_the_host_tier_and_report_it(tiny_loade
         assert engine.snapshot()["host_tier"]["recalls"] == 2
         await session.close()
         assert engine.cache.tier.used_pages == 0 and engine.cache.pool.used_pages == 0
+
+
+async def test_server_reports_recall_in_answers_stats_and_metrics(tiny_loaded):
+    import asyncio
+    import json
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from websockets.asyncio.client import connect
+
+    from streamgrok.server.app import ServerConfig, StreamgrokServer
+
+    config = ServerConfig("pipelines/live_qa.py", port=0,
+                          pipeline_options={"transcribe": "false"}, stats_interval_s=0.2,
+                          load_tick_s=None)
+    server = StreamgrokServer(tiny_loaded, config, CacheConfig(
+        budget_tokens=512, memory_gib=0.05, host_tier_gib=0.01))
+    await server.start()
+    try:
+        async with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await ws.send(json.dumps({"type": "session.start", "id": "s1"}))
+            await ws.send(json.dumps({"type": "query", "id": "q", "text": "what is there?"}))
+            done = stats = None
+            while done is None or stats is None:
+                message = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if message["type"] == "response.done":
+                    done = message
+                elif message["type"] == "stats" and done is not None:
+                    stats = message
+        assert done["kv_hit_rate"] == 1.0 and done["recalled_tokens"] == 0  # nothing evicted
+        assert stats["host_tier"]["recalls"] == 1
+        assert stats["host_tier"]["bytes_capacity"] > 0
+
+        def fetch() -> str:
+            url = f"http://127.0.0.1:{server.port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.read().decode()
+
+        text = await asyncio.to_thread(fetch)
+        names = {f.name for f in text_string_to_metric_families(text)}
+        assert {"streamgrok_kv_host_bytes", "streamgrok_kv_recalls", "streamgrok_kv_hit_rate",
+                "streamgrok_kv_host_dropped_tokens", "streamgrok_kv_guard_recalls"} <= names
+        assert "streamgrok_kv_recalls_total 1.0" in text
+    finally:
+        await server.stop()

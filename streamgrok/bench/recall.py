@@ -48,7 +48,7 @@ class RecallBenchOptions:
     contexts: tuple[int, ...] = (4096, 7168)
     fractions: tuple[float, ...] = (0.05, 0.1, 0.25)
     policy: str = "redundancy"
-    answer_tokens: int = 16
+    answer_tokens: int = 32
     depths: tuple[float, ...] = (0.05, 0.5, 0.95)
     trials: int = 2
     flat_tokens: int = 200_000
@@ -130,19 +130,14 @@ class Answer:
 
 def forced_answer(model, cache: PagedKVCache, fork: int, question: list[int],
                   answer: list[int], use_recall: bool) -> Answer:
-    """The question on a fork of sequence 0 (recall before its last token when asked), then
-    the answer tokens teacher-forced."""
+    """The question on a fork of sequence 0 (recalling as it is prefilled, as the engine
+    does, when asked), then the answer tokens teacher-forced."""
     cache.fork(0, fork)
     started = time.perf_counter()
     if use_recall:
-        cache.capture_queries(fork)
-    prefill(model, cache, fork, question[:-1])
-    result = None
-    if use_recall:  # the question again over what came back, as the engine does
-        result = cache.recall(fork, room=len(answer) + 1, rewind=len(question) - 1)
-        first = prefill(model, cache, fork, question)
-    else:
-        first = prefill(model, cache, fork, question[-1:])
+        cache.recall_next_pass(fork, room=len(answer) + 1)
+    first = prefill(model, cache, fork, question)
+    result = cache.take_recall(fork) if use_recall else None
     seconds = time.perf_counter() - started
     rest = prefill(model, cache, fork, answer[:-1], all_logits=True) if len(answer) > 1 else \
         first[:0]
@@ -392,12 +387,9 @@ def greedy_answer(model, cache: PagedKVCache, question: list[int], tokens: int,
     cache.fork(0, 9)
     if use_recall:
         cache.capture_queries(9)
-    prefill(model, cache, 9, question[:-1])
     if use_recall:
-        cache.recall(9, room=tokens + 1, rewind=len(question) - 1)
-        logits = prefill(model, cache, 9, question)
-    else:
-        logits = prefill(model, cache, 9, question[-1:])
+        cache.recall_next_pass(9, room=tokens + 1)
+    logits = prefill(model, cache, 9, question)
     out = [int(logits[-1].argmax())]
     while len(out) < tokens:
         out.append(int(prefill(model, cache, 9, out[-1:])[-1].argmax()))

@@ -44,6 +44,8 @@ class AttentionPlan:
 
     new_slots: torch.Tensor  # [L, tokens] (int64), in batch row order
     groups: list[SpanGroup]
+    spans: list[tuple[int, int, int]]  # what it was built from, to rebuild it
+    starts: dict[int, list[int]]
 
 
 def build_attention_plan(
@@ -66,7 +68,7 @@ def build_attention_plan(
         chosen = [span for span in spans if (span[2] == 1) == decode]
         if chosen:
             groups.append(_group(chosen, records, starts, page_size, layers, decode))
-    return AttentionPlan(new_slots.to(device), [_to(g, device) for g in groups])
+    return AttentionPlan(new_slots.to(device), [_to(g, device) for g in groups], spans, starts)
 
 
 def _group(spans, records, starts, page_size, layers, decode) -> SpanGroup:

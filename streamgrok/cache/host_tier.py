@@ -188,14 +188,17 @@ class HostTier:
     # -- pages -----------------------------------------------------------------------------
 
     def _make_room(self, count: int) -> None:
-        while self.capacity_pages - self.used_pages < count:
+        """Drop the oldest pages of the largest holders until `count` pages are free."""
+        while (needed := count - (self.capacity_pages - self.used_pages)) > 0:
             seq_id, layer = self._largest_holder()
             rec = self.sequences[seq_id][layer]
-            oldest = int(torch.argmin(rec.first_stream()))
-            self.stats.dropped_tokens += int(rec.counts[oldest])
-            self._release([rec.pages[oldest]])
-            rec.keep(torch.tensor([i for i in range(rec.num_pages) if i != oldest],
-                                  dtype=torch.int64))
+            take = min(needed, rec.num_pages)
+            oldest = torch.argsort(rec.first_stream(), stable=True)[:take]
+            self.stats.dropped_tokens += int(rec.counts[oldest].sum())
+            self._release([rec.pages[i] for i in oldest.tolist()])
+            staying = torch.ones(rec.num_pages, dtype=torch.bool)
+            staying[oldest] = False
+            rec.keep(torch.nonzero(staying).flatten())
 
     def _largest_holder(self) -> tuple[int, int]:
         held = [(rec.num_pages, seq_id, layer)

@@ -16,16 +16,8 @@ from streamgrok.cache.host_tier import HostTier
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
 from streamgrok.cache.prefix import PrefixIndex
-from streamgrok.cache.recall import (
-    QueryCapture,
-    RecallResult,
-    attention_scale,
-    choose_pages,
-    insert_tokens,
-    resident_lse,
-    rotate,
-    score_pages,
-)
+from streamgrok.cache.recall import QueryCapture, RecallResult
+from streamgrok.cache.recaller import Recaller
 from streamgrok.cache.tokens import (
     META_COLUMNS,
     MODALITY,
@@ -121,7 +113,7 @@ class PagedKVCache:
         self.stats = CacheStats(evicted_by_layer=[0] * model_config.num_layers)
         self._reservation: Reservation | None = None
         self.tier = self._host_tier(compute_dtype)
-        self._captures: dict[int, QueryCapture] = {}
+        self.recaller = Recaller(self)
 
     def _host_tier(self, compute_dtype: torch.dtype) -> HostTier | None:
         if not self.config.recalls:
@@ -248,7 +240,7 @@ class PagedKVCache:
         for layer in seq.layers:
             self.pool.release(layer.pages)
             layer.set_pages([])
-        self._captures.pop(seq_id, None)
+        self.recaller.forget(seq_id)
         if self.tier is not None:
             self.tier.remove_sequence(seq_id)
 
@@ -370,6 +362,8 @@ class PagedKVCache:
         decode rows (one token) in one paged decode call, prefill chunks in one paged prefill
         call, through `self.kernels` (Triton on CUDA, the PyTorch reference elsewhere)."""
         plan: AttentionPlan = batch.backend_state
+        if self.recaller.active:
+            plan = batch.backend_state = self.recaller.before_attention(layer, q, plan)
         kv = self.pool.paged_kv()
         self.kernels.kv_append(kv, plan.new_slots[layer], k, v)
         out = torch.empty_like(q)
@@ -393,8 +387,8 @@ class PagedKVCache:
                 q_rot, kv, tables, group.cu_q, group.past[layer], cos, sin, group.max_q, window)
             observed = [min(n, window or n) for n in group.counts]
         out[group.rows] = result.to(out.dtype)
-        if self._captures:
-            self._capture(layer, q, group)
+        if self.recaller.active:
+            self.recaller.record_queries(layer, q, group)
         if mass is not None:  # scores stay on the device: no sync per layer
             for i, (seq_id, total) in enumerate(zip(group.seq_ids, group.totals[layer])):
                 self.observe_mass(self.sequences[seq_id].layers[layer], mass[i, :total],
@@ -503,20 +497,32 @@ class PagedKVCache:
         sequence (an answer's fork) attends with from now on, for `recall`."""
         if seq_id not in self.sequences:
             raise KeyError(f"unknown sequence {seq_id}")
-        self._captures[seq_id] = QueryCapture(keep or self.config.recall_queries)
+        self.recaller.capture(seq_id, keep or self.config.recall_queries)
 
     def captured_queries(self, seq_id: int) -> QueryCapture | None:
         """What `capture_queries` has kept for the sequence so far (recall consumes it)."""
-        return self._captures.get(seq_id)
+        return self.recaller.captured(seq_id)
 
-    def _capture(self, layer: int, q: torch.Tensor, group: SpanGroup) -> None:
-        start = 0
-        for seq_id, count in zip(group.seq_ids, group.counts):
-            capture = self._captures.get(seq_id)
-            if capture is not None:
-                rows = group.rows[start : start + count].to(q.device)
-                capture.add(layer, q[rows], group.positions[layer, start : start + count])
-            start += count
+    @torch.inference_mode()
+    def recall(self, seq_id: int, room: int = 0) -> RecallResult:
+        """Bring back into the sequence (an answer's fork, after `capture_queries` and a
+        forward pass) the host-tier pages its captured queries score highest, per layer, in
+        stream order; keep every layer, with `room` tokens still to come, within the model's
+        trained context. The fork may hold the recalled tokens beyond its budget. Without a
+        host tier or captured queries, nothing happens."""
+        return self.recaller.recall(seq_id, room)
+
+    def recall_next_pass(self, seq_id: int, room: int = 0) -> None:
+        """Recall inside the sequence's next forward pass (the engine's way): at each layer,
+        before that pass's tokens (an answer's question) attend, their own queries choose
+        what comes back, so they attend over it; `take_recall` tells what happened."""
+        if seq_id not in self.sequences:
+            raise KeyError(f"unknown sequence {seq_id}")
+        self.recaller.arm(seq_id, room)
+
+    def take_recall(self, seq_id: int) -> RecallResult | None:
+        """What the sequence's in-pass recall did, once its pass has run (else None)."""
+        return self.recaller.take(seq_id)
 
     def _store_evicted(self, seq_id: int, layer: int, rec: LayerTokens,
                        keep: torch.Tensor) -> None:
@@ -525,91 +531,6 @@ class PagedKVCache:
         index = torch.nonzero(gone).flatten()
         k, v = self.pool.read(rec.slots()[index].to(self.device))
         self.tier.store(seq_id, layer, k, v, rec.meta[index])
-
-    @torch.inference_mode()
-    def recall(self, seq_id: int, room: int = 0, rewind: int = 0) -> RecallResult:
-        """Bring back into the sequence (an answer's fork, after `capture_queries` and its
-        prompt but the last token) the host-tier pages its captured queries score highest,
-        per layer, in stream order; keep every layer, with `room` tokens still to come, within
-        the model's trained context. The fork may hold the recalled tokens beyond its budget.
-        With `rewind`, the sequence's newest `rewind` tokens (the prompt that was prefilled
-        to capture the queries) are dropped, to be prefilled again over what came back.
-        Without a host tier or captured queries, nothing happens."""
-        started = time.perf_counter()
-        seq = self.sequences[seq_id]
-        capture = self._captures.pop(seq_id, None)
-        result = RecallResult(layer_tokens=[0] * len(seq.layers))
-        if self.tier is None or capture is None or seq.tier_source not in self.tier.sequences:
-            return result
-        bytes_before = self.tier.stats.recall_bytes
-        if not seq.budget_bonus:
-            seq.budget_bonus = [0] * len(seq.layers)
-        hits = []
-        for index, rec in enumerate(seq.layers):
-            tier_layer = self.tier.layer(seq.tier_source, index)
-            queries = capture.layers[index] if index < len(capture.layers) else None
-            if tier_layer is None or tier_layer.num_pages == 0 or queries is None:
-                hits.append(1.0)
-                self._drop_newest(rec, rewind)
-                continue
-            cap = self.model_config.max_positions - room - rec.length
-            budget = self.config.recall_tokens or self.budgets[index] or 0
-            choice = self._choose(rec, tier_layer, queries, budget, max(0, cap))
-            self._drop_newest(rec, rewind)
-            hits.append(choice.hit_rate)
-            result.guard |= choice.guard
-            result.limited |= choice.limited
-            if not choice.index.numel():
-                continue
-            index_sorted = torch.sort(choice.index).values
-            k, v, meta = self.tier.read(tier_layer, index_sorted)
-            try:
-                insert_tokens(self.pool, self.kernels, rec, k, v, meta)
-            except CacheFullError:
-                result.limited = True
-                continue
-            seq.budget_bonus[index] += k.shape[0]
-            result.layer_tokens[index] = k.shape[0]
-        seq.stream_pos -= rewind
-        result.tokens = sum(result.layer_tokens)
-        result.hit_rate = sum(hits) / len(hits)
-        result.bytes_moved = self.tier.stats.recall_bytes - bytes_before
-        result.seconds = time.perf_counter() - started
-        stats = self.tier.stats
-        stats.recalls += 1
-        stats.recalled_tokens += result.tokens
-        stats.guard_recalls += result.guard
-        stats.recall_seconds += result.seconds
-        return result
-
-    def _drop_newest(self, rec: LayerTokens, count: int) -> None:
-        if count <= 0:
-            return
-        if count > rec.length:
-            raise ValueError(f"cannot rewind {count} tokens of a layer holding {rec.length}")
-        rec.length -= count
-        used = math.ceil(rec.length / self.config.page_size)
-        self.pool.release(rec.pages[used:])
-        rec.set_pages(rec.pages[:used])
-
-    def _choose(self, rec: LayerTokens, tier_layer, queries, budget: int, cap: int):
-        q, positions = queries
-        q = q.to(self.device)
-        positions = positions.to(self.device, torch.int64)
-        n = rec.length
-        tables = self.rotary.tables(max(n, int(positions.max())) + 1)
-        scale = attention_scale(self.model_config.head_dim)
-        q_rot = rotate(self.kernels, q, positions, tables)
-        keys, _ = self.pool.read(rec.slots().to(self.device))
-        k_rot = rotate(self.kernels, keys, torch.arange(n, device=self.device), tables)
-        lse = resident_lse(q_rot, k_rot, positions, scale)
-        insert_at = torch.searchsorted(rec.column(STREAM).contiguous(),
-                                       tier_layer.first_stream().contiguous())
-        centers_rot = rotate(self.kernels, tier_layer.centers, insert_at, tables)
-        score, mass = score_pages(q_rot, lse, centers_rot, tier_layer.radii, tier_layer.counts,
-                                  scale)
-        return choose_pages(score, mass, tier_layer.counts, budget, cap,
-                            self.config.recall_min_hit_rate)
 
     # -- helpers ---------------------------------------------------------------------------
 

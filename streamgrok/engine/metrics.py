@@ -73,7 +73,7 @@ class EngineStats:
     answers_failed: int = 0
     dropped: Counter = field(default_factory=Counter)  # closed sessions and failed steps
     unprotected_tokens: int = 0
-    recall_failures: int = 0  # answers that went on without recall (no free pages)
+    recall_limited: int = 0  # answers whose recall the trained context or free pages cut short
     hit_rates: deque = field(default_factory=lambda: deque(maxlen=256))  # recent answers
     errors: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=1024))

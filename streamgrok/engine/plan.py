@@ -107,7 +107,7 @@ class Planner:
             budget = min(budget, self.config.decode_step_prefill)
         prompts = [a for a in answers if a.phase == "prompt"]
         for answer in prompts:
-            share = min(answer.prompt_end - answer.prompt_done, budget)
+            share = min(answer.prompt.numel() - answer.prompt_done, budget)
             if share <= 0 or not free.take(answer.seq_id, share):
                 continue
             ids = answer.prompt[answer.prompt_done : answer.prompt_done + share]

@@ -122,8 +122,7 @@ class Scheduler:
                 answer = span.answer
                 if span.kind == "prompt":
                     answer.prompt_done += len(span)
-                    if answer.recall_pending and answer.prompt_done == answer.prompt_end:
-                        self._recall(answer)
+                    self._take_recall(answer)
                 if index in sampled:
                     self._on_token(answer, sampled[index], now)
         self.stats.record(StepRecord(seconds, plan.decode_tokens, plan.prefill_tokens,
@@ -192,7 +191,7 @@ class Scheduler:
             "tokens": tier.tokens, "stored_tokens": stats.stored_tokens,
             "dropped_tokens": stats.dropped_tokens, "recalls": stats.recalls,
             "recalled_tokens": stats.recalled_tokens, "recall_bytes": stats.recall_bytes,
-            "guard_recalls": stats.guard_recalls, "recall_failures": self.stats.recall_failures,
+            "guard_recalls": stats.guard_recalls, "recall_limited": self.stats.recall_limited,
             "kv_hit_rate_mean": sum(rates) / len(rates) if rates else None,
         }
 
@@ -231,27 +230,23 @@ class Scheduler:
                     continue
                 session.pending.pop_head()
                 answer.seq_id = seq_id
-                if self.cache.tier is not None and answer.prompt.numel() > 1:
-                    self.cache.capture_queries(seq_id)
-                    answer.recall_pending = True
+                if self.cache.tier is not None:  # the question recalls as it is prefilled
+                    self.cache.recall_next_pass(seq_id, room=answer.sampling.max_tokens + 1)
                 session.answers[answer.answer_id] = answer
                 self.stats.answers_started += 1
                 busy = True
 
-    def _recall(self, answer: AnswerState) -> None:
-        """Bring the host-tier pages the question attends to into the answer's fork; the
-        question is then prefilled again over them (its first pass found what to recall)."""
-        answer.recall_pending = False
-        try:
-            result = self.cache.recall(answer.seq_id, room=answer.sampling.max_tokens + 1,
-                                       rewind=answer.prompt_done)
-        except CacheFullError as exc:
-            log.warning("answer %d goes on without recall: %s", answer.answer_id, exc)
-            self.stats.recall_failures += 1
+    def _take_recall(self, answer: AnswerState) -> None:
+        """What recall did during the question's first prefill chunk, for its metrics."""
+        if self.cache.tier is None or answer.metrics.recall is not None:
             return
-        answer.prompt_done = 0
+        result = self.cache.take_recall(answer.seq_id)
+        if result is None:
+            return
         answer.metrics.recall = result.as_dict()
         self.stats.hit_rates.append(result.hit_rate)
+        if result.limited:
+            self.stats.recall_limited += 1
 
     def _consume(self, span: Span) -> None:
         session = span.session

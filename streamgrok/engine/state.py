@@ -30,8 +30,6 @@ class AnswerState:
     append_to_context: bool = True
     seq_id: int | None = None  # the fork, once the question is reached in the stream
     prompt_done: int = 0
-    recall_pending: bool = False  # the prompt but its last token runs to capture queries,
-    # then recall, then the whole prompt again
     generated: list[int] = field(default_factory=list)
     next_token: int | None = None
     metrics: AnswerMetrics = field(default_factory=AnswerMetrics)
@@ -42,11 +40,6 @@ class AnswerState:
         if self.seq_id is None:
             return "waiting"
         return "prompt" if self.prompt_done < self.prompt.numel() else "decode"
-
-    @property
-    def prompt_end(self) -> int:
-        """Prompt tokens that may be prefilled now: all but the last while recall waits."""
-        return self.prompt.numel() - (1 if self.recall_pending else 0)
 
 
 @dataclass

@@ -391,6 +391,7 @@ class ClientConnection:
                    "layer_tokens": info.get("layer_tokens", []),
                    "layer_budget": engine.cache.budgets},
             "evicted_tokens": snap["evicted_tokens"],
+            "host_tier": snap.get("host_tier"),
             "retained": info.get("retained", []),
             "drops": {"frames": sum(v for k, v in drops.items() if k.startswith("frames_")),
                       **drops},

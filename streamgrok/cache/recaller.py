@@ -1,0 +1,221 @@
+"""The cache's recall: which host-tier pages come back into an answer's fork, and when.
+
+Two ways in, one rule (`streamgrok.cache.recall`):
+
+* in the pass (what the engine does): `arm(seq)` before the answer's question is prefilled;
+  at every layer of that forward pass, before the question's attention, the question's own
+  queries at that layer score the layer's host pages and the best come back, so the question
+  attends over them and its keys and values above are computed with them;
+* explicitly: `capture(seq)`, a forward pass that records the last queries, then `recall(seq)`.
+
+Owned by one PagedKVCache and used on its thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, build_attention_plan
+from streamgrok.cache.recall import (
+    PageChoice,
+    QueryCapture,
+    RecallResult,
+    attention_scale,
+    choose_pages,
+    insert_tokens,
+    resident_lse,
+    rotate,
+    score_pages,
+)
+from streamgrok.cache.tokens import STREAM
+from streamgrok.errors import CacheFullError
+
+if TYPE_CHECKING:
+    from streamgrok.cache.paged_cache import PagedKVCache, SequenceState
+
+
+@dataclass
+class _Armed:
+    """A recall that runs layer by layer inside the sequence's next forward pass."""
+
+    room: int
+    result: RecallResult
+    hits: list[float] = field(default_factory=list)
+    bytes_before: int = 0
+
+
+class Recaller:
+    """Recall for the sequences of one cache."""
+
+    def __init__(self, cache: PagedKVCache) -> None:
+        self.cache = cache
+        self._captures: dict[int, QueryCapture] = {}
+        self._armed: dict[int, _Armed] = {}
+        self._done: dict[int, RecallResult] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._captures or self._armed)
+
+    def forget(self, seq_id: int) -> None:
+        for table in (self._captures, self._armed, self._done):
+            table.pop(seq_id, None)
+
+    # -- in the pass -----------------------------------------------------------------------
+
+    def arm(self, seq_id: int, room: int) -> None:
+        """Recall inside the sequence's next forward pass, keeping `room` positions free."""
+        seq = self.cache.sequences[seq_id]
+        self._armed[seq_id] = _Armed(room, RecallResult(layer_tokens=[0] * len(seq.layers)),
+                                     bytes_before=self._tier_bytes())
+
+    def take(self, seq_id: int) -> RecallResult | None:
+        """The result of the sequence's in-pass recall, once its pass has run."""
+        return self._done.pop(seq_id, None)
+
+    def before_attention(self, layer: int, q: torch.Tensor, plan: AttentionPlan
+                         ) -> AttentionPlan:
+        """Recall into `layer` for the armed sequences of this step, before its new K/V are
+        stored; returns the plan, rebuilt when a layer's tokens moved."""
+        moved = False
+        last = layer == len(self.cache.budgets) - 1
+        for seq_id, row, count in plan.spans:
+            armed = self._armed.get(seq_id)
+            if armed is None:
+                continue
+            started = time.perf_counter()
+            start = plan.starts[seq_id][layer]
+            keep = self.cache.config.recall_queries
+            positions = torch.arange(start, start + count, device=q.device)[-keep:]
+            queries = (q[row : row + count][-keep:], positions)
+            added = self._recall_layer(self.cache.sequences[seq_id], layer, queries, start,
+                                       armed.room, armed.result, armed.hits)
+            if added:
+                plan.starts[seq_id][layer] = start + added
+                moved = True
+            armed.result.seconds += time.perf_counter() - started
+            if last:
+                del self._armed[seq_id]
+                self._done[seq_id] = self._finish(armed.result, armed.hits, armed.bytes_before)
+        if not moved:
+            return plan
+        records = {s: self.cache.sequences[s].layers for s, _, _ in plan.spans}
+        return build_attention_plan(plan.spans, records, plan.starts,
+                                    self.cache.config.page_size, self.cache.device)
+
+    # -- explicitly ------------------------------------------------------------------------
+
+    def capture(self, seq_id: int, keep: int) -> None:
+        self._captures[seq_id] = QueryCapture(keep)
+
+    def captured(self, seq_id: int) -> QueryCapture | None:
+        return self._captures.get(seq_id)
+
+    def record_queries(self, layer: int, q: torch.Tensor, group: SpanGroup) -> None:
+        start = 0
+        for seq_id, count in zip(group.seq_ids, group.counts):
+            capture = self._captures.get(seq_id)
+            if capture is not None:
+                rows = group.rows[start : start + count].to(q.device)
+                capture.add(layer, q[rows], group.positions[layer, start : start + count])
+            start += count
+
+    def recall(self, seq_id: int, room: int) -> RecallResult:
+        """Recall for the queries `capture` recorded (the whole sequence is resident)."""
+        started = time.perf_counter()
+        seq = self.cache.sequences[seq_id]
+        capture = self._captures.pop(seq_id, None)
+        result = RecallResult(layer_tokens=[0] * len(seq.layers))
+        if capture is None or not self._has_tier(seq):
+            return result
+        before, hits = self._tier_bytes(), []
+        for layer, rec in enumerate(seq.layers):
+            queries = capture.layers[layer] if layer < len(capture.layers) else None
+            if queries is None:
+                hits.append(1.0)
+                continue
+            self._recall_layer(seq, layer, queries, rec.length, room, result, hits)
+        result.seconds = time.perf_counter() - started
+        return self._finish(result, hits, before)
+
+    # -- one layer -------------------------------------------------------------------------
+
+    def _recall_layer(self, seq: SequenceState, layer: int, queries, resident: int,
+                      room: int, result: RecallResult, hits: list[float]) -> int:
+        """Bring the chosen pages into one layer; returns tokens added. `resident`: how many
+        of the layer's leading tokens hold keys (the rest are this step's, not yet stored)."""
+        cache = self.cache
+        tier_layer = cache.tier.layer(seq.tier_source, layer) if self._has_tier(seq) else None
+        if tier_layer is None or tier_layer.num_pages == 0:
+            hits.append(1.0)
+            return 0
+        rec = seq.layers[layer]
+        cap = max(0, cache.model_config.max_positions - room - rec.length)
+        budget = cache.config.recall_tokens or cache.budgets[layer] or 0
+        choice = self.choose(rec, resident, tier_layer, queries, budget, cap)
+        hits.append(choice.hit_rate)
+        result.guard |= choice.guard
+        result.limited |= choice.limited
+        if not choice.index.numel():
+            return 0
+        k, v, meta = cache.tier.read(tier_layer, torch.sort(choice.index).values)
+        try:
+            insert_tokens(cache.pool, cache.kernels, rec, k, v, meta)
+        except CacheFullError:
+            result.limited = True
+            return 0
+        if not seq.budget_bonus:
+            seq.budget_bonus = [0] * len(seq.layers)
+        seq.budget_bonus[layer] += k.shape[0]
+        result.layer_tokens[layer] = k.shape[0]
+        return k.shape[0]
+
+    def choose(self, rec, resident: int, tier_layer, queries, budget: int,
+                cap: int) -> PageChoice:
+        """The recall rule for one layer: queries (unrotated [R, H, D], cache positions [R])
+        against the first `resident` tokens of `rec` and the host pages of `tier_layer`."""
+        cache = self.cache
+        q, positions = queries
+        q = q.to(cache.device)
+        positions = positions.to(cache.device, torch.int64)
+        tables = cache.rotary.tables(max(resident, int(positions.max())) + 1)
+        scale = attention_scale(cache.model_config.head_dim)
+        q_rot = rotate(cache.kernels, q, positions, tables)
+        keys, _ = cache.pool.read(rec.slots(0, resident).to(cache.device))
+        k_rot = rotate(cache.kernels, keys, torch.arange(resident, device=cache.device), tables)
+        lse = resident_lse(q_rot, k_rot, positions, scale)
+        insert_at = torch.searchsorted(rec.column(STREAM)[:resident].contiguous(),
+                                       tier_layer.first_stream().contiguous())
+        centers_rot = rotate(cache.kernels, tier_layer.centers, insert_at, tables)
+        score, mass = score_pages(q_rot, lse, centers_rot, tier_layer.radii, tier_layer.counts,
+                                  scale)
+        return choose_pages(score, mass, tier_layer.counts, budget, cap,
+                            cache.config.recall_min_hit_rate)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _has_tier(self, seq: SequenceState) -> bool:
+        tier = self.cache.tier
+        return tier is not None and seq.tier_source in tier.sequences
+
+    def _tier_bytes(self) -> int:
+        tier = self.cache.tier
+        return 0 if tier is None else tier.stats.recall_bytes
+
+    def _finish(self, result: RecallResult, hits: list[float], bytes_before: int
+                ) -> RecallResult:
+        result.tokens = sum(result.layer_tokens)
+        result.hit_rate = sum(hits) / len(hits) if hits else 1.0
+        result.bytes_moved = self._tier_bytes() - bytes_before
+        tier = self.cache.tier
+        if tier is not None:
+            stats = tier.stats
+            stats.recalls += 1
+            stats.recalled_tokens += result.tokens
+            stats.guard_recalls += result.guard
+            stats.recall_seconds += result.seconds
+        return result
