@@ -48,6 +48,11 @@ def _add_cache_options(parser: argparse.ArgumentParser) -> None:
                              "eviction is final)")
     parser.add_argument("--kv-host-dtype", default="auto", choices=("auto", "int8"),
                         help="host tier storage: auto (as the page pool) or int8")
+    parser.add_argument("--kv-disk-gib", type=float, default=None,
+                        help="GiB of memory-mapped files past the host tier (None: pages "
+                             "leaving the host tier are gone)")
+    parser.add_argument("--kv-disk-dir", default=None,
+                        help="folder of the disk tier's files (None: the temp folder)")
     parser.add_argument("--recall-tokens", type=int, default=None,
                         help="tokens per layer an answer recalls (None: the KV budget)")
     parser.add_argument("--recall-min-hit-rate", type=float, default=0.95,
@@ -61,7 +66,8 @@ def cache_config(args: argparse.Namespace, **extra) -> CacheConfig:
 
     return CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
                        memory_gib=args.kv_memory_gib, host_tier_gib=args.kv_host_gib,
-                       host_tier_dtype=args.kv_host_dtype, recall_tokens=args.recall_tokens,
+                       host_tier_dtype=args.kv_host_dtype, disk_tier_gib=args.kv_disk_gib,
+                       disk_tier_dir=args.kv_disk_dir, recall_tokens=args.recall_tokens,
                        recall_min_hit_rate=args.recall_min_hit_rate, **extra)
 
 

@@ -361,3 +361,38 @@ async def test_server_reports_recall_in_answers_stats_and_metrics(tiny_loaded):
         assert "streamgrok_kv_recalls_total 1.0" in text
     finally:
         await server.stop()
+
+
+def test_disk_tier_holds_what_leaves_host_memory_and_recall_reads_it_back(tmp_path):
+    page = 2 * 16 * CFG.num_kv_heads * CFG.head_dim * 4 / 2**30
+    tier = tiered(host_gib=4 * page, recall_tokens=10_000, disk_tier_gib=200 * page,
+                  disk_tier_dir=str(tmp_path))
+    full = full_cache()
+    stream(tier)
+    stream(full)
+    assert list(tmp_path.iterdir()) == []  # mapped, then unlinked at once
+    stats = tier.tier.stats
+    assert tier.tier.host.used_pages <= 4 and tier.tier.disk.used_pages > 0
+    assert stats.spilled_tokens > 0 and stats.dropped_tokens == 0
+    result = ask(tier)
+    ask(full)
+    assert result.tokens == tier.stats.evicted_tokens  # host and disk pages both came back
+    got, want = append(tier, 1, 1, seed=101), append(full, 1, 1, seed=101)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    tier.remove_sequence(1)
+    tier.remove_sequence(0)
+    assert tier.tier.host.used_pages == 0 and tier.tier.disk.used_pages == 0
+
+
+def test_disk_tier_budget_holds_and_drops_the_oldest_for_good(tmp_path):
+    page = 2 * 16 * CFG.num_kv_heads * CFG.head_dim * 4 / 2**30
+    cache = tiered(host_gib=4 * page, disk_tier_gib=12 * page, disk_tier_dir=str(tmp_path))
+    stream(cache, chunks=30)
+    tier = cache.tier
+    assert tier.host.used_pages <= 4 and tier.disk.used_pages <= 12
+    assert tier.stats.dropped_tokens > 0
+    resident = sum(cache.layer_lengths(0))
+    assert resident + tier.tokens + tier.stats.dropped_tokens == 30 * 24 * CFG.num_layers
+    with pytest.raises(ValueError, match="host_tier_gib too"):
+        CacheConfig(disk_tier_gib=1.0)

@@ -53,6 +53,8 @@ class CacheConfig:
     redundancy_refs: int = 256
     host_tier_gib: float | None = None  # evicted pages go to a host tier of this size
     host_tier_dtype: str = "auto"  # "auto" (as the page pool stores) or "int8"
+    disk_tier_gib: float | None = None  # past the host tier: memory-mapped files this size
+    disk_tier_dir: str | None = None  # where their (unlinked) files go; default: the temp dir
     recall_tokens: int | None = None  # per layer and answer; default: the layer budget
     recall_queries: int = 8  # the question's last queries that score the host tier
     recall_min_hit_rate: float = 0.95  # the guard: recall more below this estimated hit rate
@@ -80,10 +82,18 @@ class CacheConfig:
                 raise ValueError("host_tier_gib must be positive (or None for no host tier)")
             if not self.evicts:
                 raise ValueError("a host tier keeps evicted pages: policy 'full' evicts none")
+        if self.disk_tier_gib is not None:
+            if self.host_tier_gib is None:
+                raise ValueError("a disk tier holds what leaves the host tier: set "
+                                 "host_tier_gib too")
+            if self.disk_tier_gib <= 0:
+                raise ValueError("disk_tier_gib must be positive (or None for no disk tier)")
         if not 0.0 <= self.recall_min_hit_rate <= 1.0:
             raise ValueError("recall_min_hit_rate must be within [0, 1]")
         if self.recall_queries < 1:
             raise ValueError("recall_queries must be >= 1")
+        if self.recall_tokens is not None and self.recall_tokens < 1:
+            raise ValueError("recall_tokens must be >= 1 (or None for the layer budget)")
 
     @property
     def recalls(self) -> bool:

@@ -9,21 +9,22 @@ mean of its (unrotated) keys per KV head and the largest distance of a key from 
 records (stream index, modality, time, source) it needs to be put back in stream order.
 
 When the budget is full, the sequence (and within it the layer) holding the most host pages
-loses its oldest page for good; those tokens are counted in `stats.dropped_tokens`.
+loses its oldest pages: to the disk tier (memory-mapped files) when there is one, which in
+turn drops its largest holder's oldest pages for good past its own budget; tokens that leave
+for good are counted in `stats.dropped_tokens`.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from kernels import kv_append
-from kernels.paged_kv import PagedKV
+from streamgrok.cache.page_store import PageStore, page_bytes
 from streamgrok.cache.tokens import META_COLUMNS, PROTECTED, STREAM
-
-HOST_DTYPES = ("auto", "int8")
 
 
 @dataclass
@@ -63,7 +64,8 @@ class TierStats:
     """What the host tier has done."""
 
     stored_tokens: int = 0  # evicted tokens written to the tier
-    dropped_tokens: int = 0  # tokens that left the tier for good (budget)
+    dropped_tokens: int = 0  # tokens that left the tiers for good (budgets)
+    spilled_tokens: int = 0  # tokens moved from host memory to the disk tier
     recalls: int = 0
     recalled_tokens: int = 0
     recall_bytes: int = 0  # bytes read from the tier by recalls
@@ -72,7 +74,9 @@ class TierStats:
 
 
 class HostTier:
-    """Host pages for evicted KV, owned by one PagedKVCache (on its thread)."""
+    """Host pages for evicted KV, and optionally disk pages past them; owned by one
+    PagedKVCache (on its thread). Page ids below `host.capacity_pages` are in memory, the
+    rest on disk."""
 
     def __init__(
         self,
@@ -83,29 +87,30 @@ class HostTier:
         store_dtype: torch.dtype,
         compute_dtype: torch.dtype,
         device: torch.device,
+        disk_bytes: float | None = None,
+        disk_folder: Path | None = None,
     ) -> None:
         self.page_size = page_size
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
-        self.store_dtype = store_dtype
         self.compute_dtype = compute_dtype
         self.device = device  # where summaries live and recalled K/V go
         self.pinned = device.type == "cuda"
-        elems = page_size * kv_heads * head_dim
-        if store_dtype == torch.int8:
-            self.page_bytes = 2 * (elems + page_size * kv_heads * 2)
-        else:
-            self.page_bytes = 2 * elems * torch.empty(0, dtype=store_dtype).element_size()
-        self.capacity_pages = int(capacity_bytes // self.page_bytes)
-        if self.capacity_pages < 1:
-            raise ValueError(
-                f"the host tier budget ({capacity_bytes / 2**20:.2f} MiB) holds no page of "
-                f"{self.page_bytes} bytes; raise it")
-        self._kv = self._zeros(0)
-        self._free: list[int] = []
-        self._owner: dict[int, tuple[int, int]] = {}  # host page -> (seq id, layer)
+        self.page_bytes = page_bytes(page_size, kv_heads, head_dim, store_dtype)
+        shape = (page_size, kv_heads, head_dim, store_dtype)
+        self.host = PageStore(self._pages(capacity_bytes, "host tier"), *shape,
+                              pinned=self.pinned)
+        self.disk = None
+        if disk_bytes is not None:
+            self.disk = PageStore(self._pages(disk_bytes, "disk tier"), *shape,
+                                  folder=disk_folder or Path(tempfile.gettempdir()))
         self.sequences: dict[int, list[TierLayer]] = {}
         self.stats = TierStats()
+
+    def _pages(self, budget: float, name: str) -> int:
+        pages = int(budget // self.page_bytes)
+        if pages < 1:
+            raise ValueError(f"the {name} budget ({budget / 2**20:.2f} MiB) holds no page of "
+                             f"{self.page_bytes} bytes; raise it")
+        return pages
 
     # -- sequences -------------------------------------------------------------------------
 
@@ -113,7 +118,7 @@ class HostTier:
         self.sequences[seq_id] = [TierLayer() for _ in range(num_layers)]
 
     def remove_sequence(self, seq_id: int) -> None:
-        """Free every host page of a sequence."""
+        """Free every host and disk page of a sequence."""
         for layer in self.sequences.pop(seq_id, []):
             self._release(layer.pages)
 
@@ -122,12 +127,20 @@ class HostTier:
         return None if layers is None else layers[layer]
 
     @property
+    def capacity_pages(self) -> int:
+        return self.host.capacity_pages
+
+    @property
     def used_pages(self) -> int:
-        return len(self._owner)
+        return self.host.used_pages + (self.disk.used_pages if self.disk else 0)
 
     @property
     def used_bytes(self) -> int:
-        return self.used_pages * self.page_bytes
+        return self.host.used_pages * self.page_bytes
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.disk.used_pages * self.page_bytes if self.disk else 0
 
     @property
     def tokens(self) -> int:
@@ -144,16 +157,14 @@ class HostTier:
         if n == 0 or seq_id not in self.sequences:
             return
         count = math.ceil(n / self.page_size)
-        if count > self.capacity_pages:  # more than the whole tier: keep the newest
-            skip = n - self.capacity_pages * self.page_size
+        if count > self.host.capacity_pages:  # more than the whole tier: keep the newest
+            skip = n - self.host.capacity_pages * self.page_size
             k, v, meta, n = k[skip:], v[skip:], meta[skip:], n - skip
             self.stats.dropped_tokens += skip
-            count = self.capacity_pages
+            count = self.host.capacity_pages
         self._make_room(count)
-        pages = self._allocate(count, seq_id, layer)
-        slots = (torch.tensor(pages)[:, None] * self.page_size
-                 + torch.arange(self.page_size)).flatten()[:n]
-        kv_append.reference(self._kv, slots, k.to("cpu"), v.to("cpu"))
+        pages = self.host.allocate(count, (seq_id, layer))
+        self.host.write(self.host.slots(pages)[:n], k, v)
         padded = torch.zeros(count * self.page_size, META_COLUMNS, dtype=torch.float64)
         padded[:n] = meta
         padded[:n, PROTECTED] = 0.0  # what comes back competes like any other token
@@ -178,65 +189,74 @@ class HostTier:
         pages = torch.tensor([rec.pages[i] for i in index.tolist()], dtype=torch.int64)
         offsets = torch.arange(self.page_size)
         valid = offsets[None, :] < counts[:, None]
-        slots = (pages[:, None] * self.page_size + offsets)[valid]
-        k, v = self._kv.read(slots, self.compute_dtype)
+        total = int(counts.sum())
+        k = torch.empty(total, self.host.kv_heads, self.host.head_dim, dtype=self.compute_dtype)
+        v = torch.empty_like(k)
+        token_pages = pages[:, None].expand(-1, self.page_size)[valid]
+        token_offsets = offsets[None, :].expand(len(pages), -1)[valid]
+        on_disk = token_pages >= self.host.capacity_pages
+        for store, chosen, base in ((self.host, ~on_disk, 0),
+                                    (self.disk, on_disk, self.host.capacity_pages)):
+            if store is None or not bool(chosen.any()):
+                continue
+            slots = (token_pages[chosen] - base) * self.page_size + token_offsets[chosen]
+            k[chosen], v[chosen] = store.read(slots, self.compute_dtype)
+        self.stats.recall_bytes += total * self.page_bytes // self.page_size
         meta = rec.meta[index][valid]
-        self.stats.recall_bytes += int(counts.sum()) * self.page_bytes // self.page_size
         return (k.to(self.device, non_blocking=self.pinned),
                 v.to(self.device, non_blocking=self.pinned), meta)
 
     # -- pages -----------------------------------------------------------------------------
 
     def _make_room(self, count: int) -> None:
-        """Drop the oldest pages of the largest holders until `count` pages are free."""
-        while (needed := count - (self.capacity_pages - self.used_pages)) > 0:
-            seq_id, layer = self._largest_holder()
+        """Free `count` host pages: the oldest pages of the largest holders move to the disk
+        tier, or, without one, leave for good."""
+        while (needed := count - self.host.free_pages) > 0:
+            seq_id, layer = self.host.largest_holder()
             rec = self.sequences[seq_id][layer]
-            take = min(needed, rec.num_pages)
-            oldest = torch.argsort(rec.first_stream(), stable=True)[:take]
-            self.stats.dropped_tokens += int(rec.counts[oldest].sum())
-            self._release([rec.pages[i] for i in oldest.tolist()])
-            staying = torch.ones(rec.num_pages, dtype=torch.bool)
-            staying[oldest] = False
-            rec.keep(torch.nonzero(staying).flatten())
+            take = min(needed, self.host.held[(seq_id, layer)])
+            if self.disk is None:
+                self._drop(rec, _oldest(rec, self._in_host(rec), take))
+                continue
+            self._make_disk_room(take)  # first: it may drop pages of this very layer
+            oldest = _oldest(rec, self._in_host(rec), take)
+            src = [rec.pages[i] for i in oldest.tolist()]
+            dst = self.disk.allocate(len(src), (seq_id, layer))
+            self.host.copy_to(self.disk, src, dst)
+            self.host.release(src)
+            for i, page in zip(oldest.tolist(), dst):
+                rec.pages[i] = page + self.host.capacity_pages
+            self.stats.spilled_tokens += int(rec.counts[oldest].sum())
 
-    def _largest_holder(self) -> tuple[int, int]:
-        held = [(rec.num_pages, seq_id, layer)
-                for seq_id, layers in self.sequences.items()
-                for layer, rec in enumerate(layers) if rec.num_pages]
-        _, seq_id, layer = max(held, key=lambda h: (h[0], -h[1], -h[2]))
-        return seq_id, layer
+    def _make_disk_room(self, count: int) -> None:
+        while (needed := count - self.disk.free_pages) > 0:
+            seq_id, layer = self.disk.largest_holder()
+            rec = self.sequences[seq_id][layer]
+            self._drop(rec, _oldest(rec, ~self._in_host(rec), needed))
 
-    def _allocate(self, count: int, seq_id: int, layer: int) -> list[int]:
-        while len(self._free) < count:
-            self._grow()
-        pages = [self._free.pop() for _ in range(count)]
-        for page in pages:
-            self._owner[page] = (seq_id, layer)
-        return pages
+    def _in_host(self, rec: TierLayer) -> torch.Tensor:
+        return torch.tensor(rec.pages, dtype=torch.int64) < self.host.capacity_pages
+
+    def _drop(self, rec: TierLayer, index: torch.Tensor) -> None:
+        """Pages `index` of `rec` leave the tiers for good (counted)."""
+        self.stats.dropped_tokens += int(rec.counts[index].sum())
+        self._release([rec.pages[i] for i in index.tolist()])
+        staying = torch.ones(rec.num_pages, dtype=torch.bool)
+        staying[index] = False
+        rec.keep(torch.nonzero(staying).flatten())
 
     def _release(self, pages: list[int]) -> None:
-        for page in pages:
-            del self._owner[page]
-            self._free.append(page)
+        base = self.host.capacity_pages
+        self.host.release([p for p in pages if p < base])
+        if self.disk is not None:
+            self.disk.release([p - base for p in pages if p >= base])
 
-    def _grow(self) -> None:
-        """Double the host storage (up to the budget): it is committed as it fills."""
-        old = self._kv.k.shape[0] // self.page_size
-        new = min(self.capacity_pages, max(64, 2 * old))
-        kv = self._zeros(new)
-        for dst, src in zip(kv.tensors(), self._kv.tensors()):
-            dst[: src.shape[0]] = src
-        self._kv = kv
-        self._free.extend(range(new - 1, old - 1, -1))
 
-    def _zeros(self, pages: int) -> PagedKV:
-        kv = PagedKV.zeros(pages * self.page_size, self.kv_heads, self.head_dim,
-                           self.store_dtype, self.page_size)
-        if not self.pinned:
-            return kv
-        k, v, *scales = (t.pin_memory() for t in kv.tensors())
-        return PagedKV(k, v, self.page_size, *scales)
+def _oldest(rec: TierLayer, among: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of up to `count` pages of `rec` with the lowest first stream index, among the
+    pages where `among` is true."""
+    first = rec.first_stream().masked_fill(~among, float("inf"))
+    return torch.argsort(first, stable=True)[: min(count, int(among.sum()))]
 
 
 def _summaries(k: torch.Tensor, counts: torch.Tensor, page_size: int) -> tuple[torch.Tensor,

@@ -6,6 +6,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -120,9 +121,13 @@ class PagedKVCache:
             return None
         store = (torch.int8 if self.config.host_tier_dtype == "int8"
                  else KV_DTYPES[self.config.kv_dtype])
+        disk = self.config.disk_tier_gib
         return HostTier(self.config.host_tier_gib * 2**30, self.config.page_size,
                         self.model_config.num_kv_heads, self.model_config.head_dim, store,
-                        compute_dtype, self.device)
+                        compute_dtype, self.device,
+                        disk_bytes=None if disk is None else disk * 2**30,
+                        disk_folder=None if self.config.disk_tier_dir is None
+                        else Path(self.config.disk_tier_dir))
 
     def memory_budget_bytes(self) -> float:
         """Bytes the page pool may use: a fixed size, or by default a share of free GPU memory

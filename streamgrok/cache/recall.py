@@ -18,8 +18,8 @@ positions they had):
    below the guard's threshold, more pages are taken until it is met, or until the position
    cap (the model's trained context) is hit.
 
-The engine then drops the question from the fork and prefills it again over what came back:
-its first pass only chose what to recall.
+The engine recalls inside the question's own prefill (`recaller`): at each layer, before the
+question attends, its queries at that layer choose what comes back to that layer.
 """
 
 from __future__ import annotations

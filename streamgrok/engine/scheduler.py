@@ -190,6 +190,7 @@ class Scheduler:
             "bytes_used": tier.used_bytes, "bytes_capacity": tier.capacity_pages * tier.page_bytes,
             "tokens": tier.tokens, "stored_tokens": stats.stored_tokens,
             "dropped_tokens": stats.dropped_tokens, "recalls": stats.recalls,
+            "disk_bytes_used": tier.disk_bytes, "spilled_tokens": stats.spilled_tokens,
             "recalled_tokens": stats.recalled_tokens, "recall_bytes": stats.recall_bytes,
             "guard_recalls": stats.guard_recalls, "recall_limited": self.stats.recall_limited,
             "kv_hit_rate_mean": sum(rates) / len(rates) if rates else None,

@@ -132,6 +132,8 @@ def _tier_metrics(tier: dict | None) -> Iterator[CounterMetricFamily | GaugeMetr
                             value=tier["bytes_used"])
     yield GaugeMetricFamily("streamgrok_kv_host_capacity_bytes", "The host tier's budget",
                             value=tier["bytes_capacity"])
+    yield GaugeMetricFamily("streamgrok_kv_disk_bytes", "Bytes of evicted KV in the disk tier",
+                            value=tier["disk_bytes_used"])
     yield CounterMetricFamily("streamgrok_kv_host_dropped_tokens",
                               "Tokens that left the host tier for good (its budget)",
                               value=tier["dropped_tokens"])
