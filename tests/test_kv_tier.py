@@ -181,7 +181,7 @@ def test_recall_picks_the_pages_a_brute_force_scorer_picks():
         assert tier_layer.num_pages >= 3
         expected.append(brute_force_choice(cache, capture.layers[layer], rec, tier_layer, 40))
         choice = cache.recaller.choose(rec, rec.length, tier_layer, capture.layers[layer], 40,
-                                        10_000)
+                                       10_000, 0.0)
         assert choice.index.tolist() == expected[-1]
     result = cache.recall(1)
     assert result.layer_tokens == [

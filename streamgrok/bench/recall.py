@@ -35,6 +35,8 @@ from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.loader import LoadedModel
 
 STREAM_KINDS = ("prose", "notes")
+# recall off; recall of the budget only (the guard off); recall with the guard (the default)
+MODES = {"off": None, "budget": 0.0, "guard": None}
 QUESTIONS = {
     "prose": "\n\nQuestion: What does the text above explain? Answer in one sentence.\nAnswer:",
     "notes": "\n\nQuestion: What did camera 2 see, and when?\nAnswer:",
@@ -53,6 +55,7 @@ class RecallBenchOptions:
     trials: int = 2
     flat_tokens: int = 200_000
     flat_questions: int = 5
+    parts: tuple[str, ...] = ("stream", "fidelity", "retrieval")
     budget: int = 2048
     chunk: int = 512
 
@@ -129,15 +132,15 @@ class Answer:
 
 
 def forced_answer(model, cache: PagedKVCache, fork: int, question: list[int],
-                  answer: list[int], use_recall: bool) -> Answer:
+                  answer: list[int], mode: str = "off") -> Answer:
     """The question on a fork of sequence 0 (recalling as it is prefilled, as the engine
     does, when asked), then the answer tokens teacher-forced."""
     cache.fork(0, fork)
     started = time.perf_counter()
-    if use_recall:
-        cache.recall_next_pass(fork, room=len(answer) + 1)
+    if mode != "off":
+        cache.recall_next_pass(fork, room=len(answer) + 1, min_hit_rate=MODES[mode])
     first = prefill(model, cache, fork, question)
-    result = cache.take_recall(fork) if use_recall else None
+    result = cache.take_recall(fork) if mode != "off" else None
     seconds = time.perf_counter() - started
     rest = prefill(model, cache, fork, answer[:-1], all_logits=True) if len(answer) > 1 else \
         first[:0]
@@ -233,11 +236,19 @@ def run_recall(loaded: LoadedModel, options: RecallBenchOptions, out_dir) -> dic
     if too_long:
         raise ValueError(f"recall contexts {too_long} do not fit the model's trained context "
                          f"({trained}) with a question and an answer")
-    fidelity_rows = fidelity(loaded, options)
-    accuracy = retrieval(loaded, options)
-    flat = long_stream(loaded, options)
-    _plot(fidelity_rows, options, out_dir)
-    return {"fidelity": fidelity_rows, "retrieval": accuracy, "flat": flat}
+    unknown = set(options.parts) - {"stream", "fidelity", "retrieval"}
+    if unknown:
+        raise ValueError(f"unknown recall parts {sorted(unknown)} (choose from stream, "
+                         f"fidelity, retrieval)")
+    results = {}
+    if "stream" in options.parts:  # first: its RSS is then this part's own
+        results["stream"] = long_stream(loaded, options)
+    if "fidelity" in options.parts:
+        results["fidelity"] = fidelity(loaded, options)
+        _plot(results["fidelity"], options, out_dir)
+    if "retrieval" in options.parts:
+        results["retrieval"] = retrieval(loaded, options)
+    return results
 
 
 def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
@@ -264,12 +275,12 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
                                      host_gib=host_gib_for(loaded, context))
                 cache.add_sequence(0)
                 feed(model, cache, 0, ids, chunk=options.chunk)
-                for use_recall in (False, True):
-                    got = forced_answer(model, cache, 3, question, answer, use_recall)
+                for mode in MODES:
+                    got = forced_answer(model, cache, 3, question, answer, mode)
                     kl, top1 = kl_top1(full_logits, got.logits)
                     rows.append({
                         "stream": kind, "context": context, "fraction": fraction,
-                        "recall": use_recall, "hit": exact_hit_rate(probs, got.resident,
+                        "recall": mode, "hit": exact_hit_rate(probs, got.resident,
                                                                     first_answer),
                         "estimated": got.estimated_hit, "kl": kl, "top1": top1,
                         "recalled": got.recalled / loaded.config.num_layers,
@@ -287,37 +298,40 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
 def _print_fidelity(rows: list[dict], options: RecallBenchOptions) -> None:
     print(f"\n[recall fidelity] policy {options.policy}; budget = resident share of the "
           f"context; {options.answer_tokens} answer tokens (the full cache's greedy answer) "
-          f"teacher-forced after a question; hit = share of the full cache's attention on "
-          f"tokens resident in the answer (exact), est = recall's own estimate")
+          f"teacher-forced after a question; recall off, on with the budget only (budget: as "
+          f"many tokens as the layer budget), or on with the hit-rate guard at 0.95 (guard); "
+          f"hit = share of the full cache's attention on tokens resident in the answer "
+          f"(exact), est = recall's own estimate")
     print(f"{'stream':<6} {'context':>7} {'budget':>6} {'recall':>6} {'hit':>6} {'est':>6} "
           f"{'KL':>7} {'top-1':>6} {'recalled/layer':>14} {'TTFT ms':>8} {'recall ms':>9} "
           f"{'full TTFT':>9} {'MiB moved':>9} {'host MiB':>8}")
     for r in rows:
         est = "-" if r["estimated"] is None else f"{r['estimated']:.3f}"
         print(f"{r['stream']:<6} {r['context']:>7} {r['fraction']:>6.0%} "
-              f"{'on' if r['recall'] else 'off':>6} {r['hit']:>6.3f} {est:>6} {r['kl']:>7.4f} "
+              f"{r['recall']:>6} {r['hit']:>6.3f} {est:>6} {r['kl']:>7.4f} "
               f"{r['top1']:>6.0%} {r['recalled']:>14.0f} {r['ttft_ms']:>8.0f} "
               f"{r['recall_ms']:>9.0f} {r['full_ttft_ms']:>9.0f} "
               f"{r['bytes'] / 2**20:>9.1f} {r['host_mib']:>8.1f}")
     for fraction in options.fractions:
-        for use_recall in (False, True):
-            chosen = [r for r in rows if r["fraction"] == fraction and r["recall"] == use_recall]
+        for mode in MODES:
+            chosen = [r for r in rows if r["fraction"] == fraction and r["recall"] == mode]
             if not chosen:
                 continue
             mean = {k: sum(r[k] for r in chosen) / len(chosen)
                     for k in ("hit", "kl", "top1", "ttft_ms", "full_ttft_ms")}
-            print(f"mean at {fraction:.0%}, recall {'on ' if use_recall else 'off'}: hit "
+            print(f"mean at {fraction:.0%}, recall {mode:<6}: hit "
                   f"{mean['hit']:.3f}, KL {mean['kl']:.4f}, top-1 {mean['top1']:.0%}, TTFT "
                   f"{mean['ttft_ms']:.0f} ms ({mean['ttft_ms'] / mean['full_ttft_ms']:.2f}x the "
                   f"full cache's {mean['full_ttft_ms']:.0f} ms)")
     for fraction in options.fractions:
-        off = [r for r in rows if r["fraction"] == fraction and not r["recall"]]
-        on = [r for r in rows if r["fraction"] == fraction and r["recall"]]
-        if off and on:
-            t_off = sum(r["ttft_ms"] for r in off) / len(off)
-            t_on = sum(r["ttft_ms"] for r in on) / len(on)
-            print(f"TTFT overhead of recall at {fraction:.0%}: {t_on / t_off - 1:+.0%} "
-                  f"({t_off:.0f} -> {t_on:.0f} ms from the question to its first token)")
+        off = [r["ttft_ms"] for r in rows if r["fraction"] == fraction and r["recall"] == "off"]
+        for mode in ("budget", "guard"):
+            on = [r["ttft_ms"] for r in rows if r["fraction"] == fraction and r["recall"] == mode]
+            if off and on:
+                t_off, t_on = sum(off) / len(off), sum(on) / len(on)
+                print(f"TTFT overhead of recall ({mode}) at {fraction:.0%}: "
+                      f"{t_on / t_off - 1:+.0%} ({t_off:.0f} -> {t_on:.0f} ms from the question "
+                      f"to its first token)")
 
 
 def needle_case(loaded: LoadedModel, task: str, context: int, depth: float, rng: random.Random
@@ -361,10 +375,9 @@ def retrieval(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
                                          else host_gib_for(loaded, context))
                     cache.add_sequence(0)
                     feed(model, cache, 0, ids, chunk=options.chunk)
-                    modes = (False,) if size is None else (False, True)
-                    for use_recall in modes:
-                        text = tok.decode(greedy_answer(model, cache, question, 8, use_recall))
-                        label = name if size is None else ("on" if use_recall else "off")
+                    for mode in ("off",) if size is None else ("off", "guard"):
+                        text = tok.decode(greedy_answer(model, cache, question, 8, mode))
+                        label = name if size is None else ("on" if mode == "guard" else "off")
                         hits[(task, depth, label)] = hits.get((task, depth, label), 0) + (
                             key in text)
                     del cache
@@ -383,12 +396,10 @@ def retrieval(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
 
 
 def greedy_answer(model, cache: PagedKVCache, question: list[int], tokens: int,
-                  use_recall: bool) -> list[int]:
+                  mode: str) -> list[int]:
     cache.fork(0, 9)
-    if use_recall:
-        cache.capture_queries(9)
-    if use_recall:
-        cache.recall_next_pass(9, room=tokens + 1)
+    if mode != "off":
+        cache.recall_next_pass(9, room=tokens + 1, min_hit_rate=MODES[mode])
     logits = prefill(model, cache, 9, question)
     out = [int(logits[-1].argmax())]
     while len(out) < tokens:
@@ -419,7 +430,7 @@ def long_stream(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
     for start in range(0, total, every):
         feed(model, cache, 0, ids[start : start + every], chunk=options.chunk)
         bar.update(every)
-        forced_answer(model, cache, 5, question, question[:4], True)
+        forced_answer(model, cache, 5, question, question[:4], "guard")
         rows.append((start + every, cache.pool.used_pages, cache.tier.used_bytes,
                      cache.tier.stats.dropped_tokens, process.memory_info().rss))
     bar.close()
@@ -449,15 +460,13 @@ def _plot(rows: list[dict], options: RecallBenchOptions, out_dir) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for metric, ax, label in (("hit", axes[0], "exact KV hit rate"),
                               ("top1", axes[1], "top-1 agreement with the full cache")):
-        for use_recall, style in ((False, "--"), (True, "-")):
+        for mode, style in (("off", "--"), ("budget", ":"), ("guard", "-")):
             xs = list(options.fractions)
             ys = []
             for f in xs:
-                chosen = [r[metric] for r in rows if r["fraction"] == f
-                          and r["recall"] == use_recall]
+                chosen = [r[metric] for r in rows if r["fraction"] == f and r["recall"] == mode]
                 ys.append(100 * sum(chosen) / len(chosen))
-            ax.plot([x * 100 for x in xs], ys, style, marker="o",
-                    label=f"recall {'on' if use_recall else 'off'}")
+            ax.plot([x * 100 for x in xs], ys, style, marker="o", label=f"recall {mode}")
         ax.set_xlabel("resident budget (% of the context)")
         ax.set_ylabel(f"{label} (%)")
         ax.set_ylim(0, 105)

@@ -104,6 +104,7 @@ class HostTier:
                                   folder=disk_folder or Path(tempfile.gettempdir()))
         self.sequences: dict[int, list[TierLayer]] = {}
         self.stats = TierStats()
+        self.tokens = 0  # tokens held in every tier
 
     def _pages(self, budget: float, name: str) -> int:
         pages = int(budget // self.page_bytes)
@@ -120,6 +121,7 @@ class HostTier:
     def remove_sequence(self, seq_id: int) -> None:
         """Free every host and disk page of a sequence."""
         for layer in self.sequences.pop(seq_id, []):
+            self.tokens -= layer.tokens
             self._release(layer.pages)
 
     def layer(self, seq_id: int, layer: int) -> TierLayer | None:
@@ -141,10 +143,6 @@ class HostTier:
     @property
     def disk_bytes(self) -> int:
         return self.disk.used_pages * self.page_bytes if self.disk else 0
-
-    @property
-    def tokens(self) -> int:
-        return sum(layer.tokens for layers in self.sequences.values() for layer in layers)
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -180,6 +178,7 @@ class HostTier:
         rec.centers = centers if rec.centers is None else torch.cat([rec.centers, centers])
         rec.radii = radii if rec.radii is None else torch.cat([rec.radii, radii])
         self.stats.stored_tokens += n
+        self.tokens += n
 
     def read(self, rec: TierLayer, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]:
@@ -190,17 +189,21 @@ class HostTier:
         offsets = torch.arange(self.page_size)
         valid = offsets[None, :] < counts[:, None]
         total = int(counts.sum())
-        k = torch.empty(total, self.host.kv_heads, self.host.head_dim, dtype=self.compute_dtype)
-        v = torch.empty_like(k)
         token_pages = pages[:, None].expand(-1, self.page_size)[valid]
         token_offsets = offsets[None, :].expand(len(pages), -1)[valid]
         on_disk = token_pages >= self.host.capacity_pages
-        for store, chosen, base in ((self.host, ~on_disk, 0),
-                                    (self.disk, on_disk, self.host.capacity_pages)):
-            if store is None or not bool(chosen.any()):
-                continue
-            slots = (token_pages[chosen] - base) * self.page_size + token_offsets[chosen]
-            k[chosen], v[chosen] = store.read(slots, self.compute_dtype)
+        if not bool(on_disk.any()):
+            k, v = self.host.read(token_pages * self.page_size + token_offsets,
+                                  self.compute_dtype)
+        else:
+            k = torch.empty(total, self.host.kv_heads, self.host.head_dim,
+                            dtype=self.compute_dtype)
+            v = torch.empty_like(k)
+            for store, chosen, base in ((self.host, ~on_disk, 0),
+                                        (self.disk, on_disk, self.host.capacity_pages)):
+                if bool(chosen.any()):
+                    slots = (token_pages[chosen] - base) * self.page_size + token_offsets[chosen]
+                    k[chosen], v[chosen] = store.read(slots, self.compute_dtype)
         self.stats.recall_bytes += total * self.page_bytes // self.page_size
         meta = rec.meta[index][valid]
         return (k.to(self.device, non_blocking=self.pinned),
@@ -239,7 +242,9 @@ class HostTier:
 
     def _drop(self, rec: TierLayer, index: torch.Tensor) -> None:
         """Pages `index` of `rec` leave the tiers for good (counted)."""
-        self.stats.dropped_tokens += int(rec.counts[index].sum())
+        dropped = int(rec.counts[index].sum())
+        self.stats.dropped_tokens += dropped
+        self.tokens -= dropped
         self._release([rec.pages[i] for i in index.tolist()])
         staying = torch.ones(rec.num_pages, dtype=torch.bool)
         staying[index] = False

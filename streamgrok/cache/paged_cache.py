@@ -517,13 +517,16 @@ class PagedKVCache:
         host tier or captured queries, nothing happens."""
         return self.recaller.recall(seq_id, room)
 
-    def recall_next_pass(self, seq_id: int, room: int = 0) -> None:
+    def recall_next_pass(self, seq_id: int, room: int = 0,
+                         min_hit_rate: float | None = None) -> None:
         """Recall inside the sequence's next forward pass (the engine's way): at each layer,
         before that pass's tokens (an answer's question) attend, their own queries choose
-        what comes back, so they attend over it; `take_recall` tells what happened."""
+        what comes back, so they attend over it; `take_recall` tells what happened.
+        `min_hit_rate` overrides the guard's threshold (`recall_min_hit_rate`) for this one."""
         if seq_id not in self.sequences:
             raise KeyError(f"unknown sequence {seq_id}")
-        self.recaller.arm(seq_id, room)
+        threshold = self.config.recall_min_hit_rate if min_hit_rate is None else min_hit_rate
+        self.recaller.arm(seq_id, room, threshold)
 
     def take_recall(self, seq_id: int) -> RecallResult | None:
         """What the sequence's in-pass recall did, once its pass has run (else None)."""

@@ -43,6 +43,7 @@ class _Armed:
     """A recall that runs layer by layer inside the sequence's next forward pass."""
 
     room: int
+    min_hit_rate: float
     result: RecallResult
     hits: list[float] = field(default_factory=list)
     bytes_before: int = 0
@@ -67,10 +68,11 @@ class Recaller:
 
     # -- in the pass -----------------------------------------------------------------------
 
-    def arm(self, seq_id: int, room: int) -> None:
+    def arm(self, seq_id: int, room: int, min_hit_rate: float) -> None:
         """Recall inside the sequence's next forward pass, keeping `room` positions free."""
         seq = self.cache.sequences[seq_id]
-        self._armed[seq_id] = _Armed(room, RecallResult(layer_tokens=[0] * len(seq.layers)),
+        self._armed[seq_id] = _Armed(room, min_hit_rate,
+                                     RecallResult(layer_tokens=[0] * len(seq.layers)),
                                      bytes_before=self._tier_bytes())
 
     def take(self, seq_id: int) -> RecallResult | None:
@@ -93,7 +95,8 @@ class Recaller:
             positions = torch.arange(start, start + count, device=q.device)[-keep:]
             queries = (q[row : row + count][-keep:], positions)
             added = self._recall_layer(self.cache.sequences[seq_id], layer, queries, start,
-                                       armed.room, armed.result, armed.hits)
+                                       armed.room, armed.min_hit_rate, armed.result,
+                                       armed.hits)
             if added:
                 plan.starts[seq_id][layer] = start + added
                 moved = True
@@ -138,14 +141,16 @@ class Recaller:
             if queries is None:
                 hits.append(1.0)
                 continue
-            self._recall_layer(seq, layer, queries, rec.length, room, result, hits)
+            self._recall_layer(seq, layer, queries, rec.length, room,
+                               self.cache.config.recall_min_hit_rate, result, hits)
         result.seconds = time.perf_counter() - started
         return self._finish(result, hits, before)
 
     # -- one layer -------------------------------------------------------------------------
 
     def _recall_layer(self, seq: SequenceState, layer: int, queries, resident: int,
-                      room: int, result: RecallResult, hits: list[float]) -> int:
+                      room: int, min_hit_rate: float, result: RecallResult,
+                      hits: list[float]) -> int:
         """Bring the chosen pages into one layer; returns tokens added. `resident`: how many
         of the layer's leading tokens hold keys (the rest are this step's, not yet stored)."""
         cache = self.cache
@@ -156,7 +161,7 @@ class Recaller:
         rec = seq.layers[layer]
         cap = max(0, cache.model_config.max_positions - room - rec.length)
         budget = cache.config.recall_tokens or cache.budgets[layer] or 0
-        choice = self.choose(rec, resident, tier_layer, queries, budget, cap)
+        choice = self.choose(rec, resident, tier_layer, queries, budget, cap, min_hit_rate)
         hits.append(choice.hit_rate)
         result.guard |= choice.guard
         result.limited |= choice.limited
@@ -174,8 +179,8 @@ class Recaller:
         result.layer_tokens[layer] = k.shape[0]
         return k.shape[0]
 
-    def choose(self, rec, resident: int, tier_layer, queries, budget: int,
-                cap: int) -> PageChoice:
+    def choose(self, rec, resident: int, tier_layer, queries, budget: int, cap: int,
+               min_hit_rate: float) -> PageChoice:
         """The recall rule for one layer: queries (unrotated [R, H, D], cache positions [R])
         against the first `resident` tokens of `rec` and the host pages of `tier_layer`."""
         cache = self.cache
@@ -193,8 +198,7 @@ class Recaller:
         centers_rot = rotate(cache.kernels, tier_layer.centers, insert_at, tables)
         score, mass = score_pages(q_rot, lse, centers_rot, tier_layer.radii, tier_layer.counts,
                                   scale)
-        return choose_pages(score, mass, tier_layer.counts, budget, cap,
-                            cache.config.recall_min_hit_rate)
+        return choose_pages(score, mass, tier_layer.counts, budget, cap, min_hit_rate)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
