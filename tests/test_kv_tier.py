@@ -396,3 +396,39 @@ def test_disk_tier_budget_holds_and_drops_the_oldest_for_good(tmp_path):
     assert resident + tier.tokens + tier.stats.dropped_tokens == 30 * 24 * CFG.num_layers
     with pytest.raises(ValueError, match="host_tier_gib too"):
         CacheConfig(disk_tier_gib=1.0)
+
+
+def test_bench_measures_an_exact_hit_rate_of_one_when_everything_comes_back(tiny_loaded):
+    """The benchmark's own instruments on a tiny model: the full cache's attention, the
+    evicting answer's resident tokens, KL and top-1 (nothing here is timed)."""
+    from streamgrok.bench.recall import (
+        exact_hit_rate,
+        forced_answer,
+        full_answer,
+        kl_top1,
+        tiered_cache,
+    )
+    from streamgrok.cache.streaming import feed
+
+    model, tok = tiny_loaded.model, tiny_loaded.tokenizer
+    ids = tok.encode("the quick brown fox jumps over the lazy dog. " * 8)[:320]
+    question = tok.encode(" what jumps?")
+    full = tiered_cache(tiny_loaded, "full", None, memory_gib=0.05)
+    full.add_sequence(0)
+    feed(model, full, 0, ids, chunk=64)
+    answer, logits, probs = full_answer(model, full, 1, question, 6)
+    assert len(answer) == 6 and logits.shape[0] == 6
+    assert kl_top1(logits, logits) == (0.0, 1.0)
+    first_answer = len(ids) + len(question)
+    results = {}
+    for mode, threshold in (("off", 0.95), ("guard", 1.0)):
+        cache = tiered_cache(tiny_loaded, "h2o", 64, host_gib=0.01, memory_gib=0.05,
+                             evict_slack_tokens=16, recall_min_hit_rate=threshold)
+        cache.add_sequence(0)
+        feed(model, cache, 0, ids, chunk=64)
+        got = forced_answer(model, cache, 3, question, answer, mode)
+        results[mode] = exact_hit_rate(probs, got.resident, first_answer), got
+    assert results["off"][0] < 0.99
+    assert results["guard"][0] == pytest.approx(1.0)
+    assert results["guard"][1].estimated_hit == pytest.approx(1.0)
+    assert results["guard"][1].recalled > 0

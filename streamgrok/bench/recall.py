@@ -265,7 +265,7 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
             feed(model, full, 0, ids, chunk=options.chunk)
             answer, full_logits, probs = full_answer(model, full, 1, question,
                                                      options.answer_tokens)
-            full_ttft = forced_answer(model, full, 2, question, answer, False).seconds
+            full_ttft = forced_answer(model, full, 2, question, answer, "off").seconds
             del full
             bar.update()
             first_answer = context + len(question)
