@@ -61,8 +61,13 @@ class StdoutSink:
             return
         self._end_line()
         metrics = event.metrics
+        recall = ""
+        if metrics.get("kv_hit_rate") is not None:
+            recall = (f", recalled {metrics['recalled_tokens']} tokens in "
+                      f"{metrics['recall_ms']} ms, KV hit rate ~{metrics['kv_hit_rate']:.2f}")
         self._write(f"  (#{event.answer_id}: {metrics.get('tokens')} tokens, TTFT "
-                    f"{metrics.get('ttft_ms')} ms, {metrics.get('tbt_ms_mean')} ms/token)\n")
+                    f"{metrics.get('ttft_ms')} ms, {metrics.get('tbt_ms_mean')} ms/token"
+                    f"{recall})\n")
 
     def _next_live(self) -> None:
         self._live = None
