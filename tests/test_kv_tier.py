@@ -401,19 +401,19 @@ def test_disk_tier_budget_holds_and_drops_the_oldest_for_good(tmp_path):
 def test_bench_measures_an_exact_hit_rate_of_one_when_everything_comes_back(tiny_loaded):
     """The benchmark's own instruments on a tiny model: the full cache's attention, the
     evicting answer's resident tokens, KL and top-1 (nothing here is timed)."""
+    from streamgrok.bench.caches import bench_cache
     from streamgrok.bench.recall import (
         exact_hit_rate,
         forced_answer,
         full_answer,
         kl_top1,
-        tiered_cache,
     )
     from streamgrok.cache.streaming import feed
 
     model, tok = tiny_loaded.model, tiny_loaded.tokenizer
     ids = tok.encode("the quick brown fox jumps over the lazy dog. " * 8)[:320]
     question = tok.encode(" what jumps?")
-    full = tiered_cache(tiny_loaded, "full", None, memory_gib=0.05)
+    full = bench_cache(tiny_loaded, "full", None, memory_gib=0.05)
     full.add_sequence(0)
     feed(model, full, 0, ids, chunk=64)
     answer, logits, probs = full_answer(model, full, 1, question, 6)
@@ -422,7 +422,7 @@ def test_bench_measures_an_exact_hit_rate_of_one_when_everything_comes_back(tiny
     first_answer = len(ids) + len(question)
     results = {}
     for mode, threshold in (("off", 0.95), ("guard", 1.0)):
-        cache = tiered_cache(tiny_loaded, "h2o", 64, host_gib=0.01, memory_gib=0.05,
+        cache = bench_cache(tiny_loaded, "h2o", 64, host_tier_gib=0.01, memory_gib=0.05,
                              evict_slack_tokens=16, recall_min_hit_rate=threshold)
         cache.add_sequence(0)
         feed(model, cache, 0, ids, chunk=64)

@@ -1,8 +1,10 @@
-"""Long real text available offline: the Python standard library's own source files."""
+"""Long real text available offline: the Python standard library's own source files and the
+Python documentation's topics (English prose)."""
 
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -22,3 +24,26 @@ def stdlib_text(min_chars: int, skip_chars: int = 0) -> str:
     if total < min_chars:
         raise RuntimeError(f"the standard library holds only {total} characters of source")
     return "".join(parts)
+
+
+def prose_text(min_chars: int, skip_chars: int = 0) -> str:
+    """`min_chars` of English prose from `skip_chars` on: the Python documentation's topics
+    (repeated when more is asked for than they hold)."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    while len(text) < skip_chars + min_chars:
+        text += "\n\n" + text
+    return text[skip_chars : skip_chars + min_chars]
+
+
+def long_ids(tokenizer, text: Callable[..., str], tokens: int, piece: int = 400_000
+             ) -> list[int]:
+    """`tokens` token ids of `text(min_chars, skip_chars=...)`, encoded `piece` characters at
+    a time."""
+    ids: list[int] = []
+    skip = 0
+    while len(ids) < tokens:
+        ids += tokenizer.encode(text(piece, skip_chars=skip))
+        skip += piece
+    return ids[:tokens]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from streamgrok.bench.corpus import prose_text
 from streamgrok.bench.timing import median, timed
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
@@ -33,10 +34,7 @@ def prompt_ids(loaded: LoadedModel, length: int) -> list[int]:
 
 def prose_ids(loaded: LoadedModel, length: int) -> list[int]:
     """`length` token ids of English prose (the Python documentation's topics, offline)."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    return loaded.tokenizer.encode(text[: length * 8])[:length]
+    return loaded.tokenizer.encode(prose_text(length * 8))[:length]
 
 
 @torch.inference_mode()

@@ -13,11 +13,11 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from streamgrok.bench.corpus import stdlib_text
+from streamgrok.bench.caches import bench_cache
+from streamgrok.bench.corpus import long_ids, stdlib_text
 from streamgrok.bench.recall import RecallBenchOptions
 from streamgrok.bench.timing import median, timed
 from streamgrok.cache.config import CacheConfig
-from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.streaming import feed, greedy_continue
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.loader import LoadedModel
@@ -80,23 +80,10 @@ def recall(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     return run_recall(loaded, options.recall, options.out_dir)
 
 
-def _cache(loaded: LoadedModel, policy: str, budget: int | None, memory_gib: float = 1.0,
-           **extra) -> PagedKVCache:
-    config = CacheConfig(policy=policy, budget_tokens=budget, memory_gib=memory_gib, **extra)
-    return PagedKVCache(loaded.config, config, loaded.model.dtype, loaded.model.device,
-                        kernels=loaded.model.kernels)
-
-
 def flat_memory(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     """Pages in use and process RSS at 10%, 50%, 100% of a long stream."""
-    tok = loaded.tokenizer
-    ids: list[int] = []
-    skip = 0
-    while len(ids) < options.tokens:
-        ids += tok.encode(stdlib_text(400_000, skip_chars=skip))
-        skip += 400_000
-    ids = ids[: options.tokens]
-    cache = _cache(loaded, options.flat_policy, options.budget)
+    ids = long_ids(loaded.tokenizer, stdlib_text, options.tokens)
+    cache = bench_cache(loaded, options.flat_policy, options.budget)
     cache.add_sequence(0)
     marks = {max(options.chunk, round(options.tokens * f / options.chunk) * options.chunk): f
              for f in (0.1, 0.5, 1.0)}
@@ -159,7 +146,7 @@ def passkey(loaded: LoadedModel, options: KvBenchOptions) -> dict:
                 if ctx != context:
                     continue
                 budget = None if fraction is None else int(context * fraction)
-                cache = _cache(loaded, policy, budget, memory_gib=0.5)
+                cache = bench_cache(loaded, policy, budget, memory_gib=0.5)
                 cache.add_sequence(0)
                 ids = passkey_prompt(tok, context, depth, key)
                 logits = feed(loaded.model, cache, 0, ids, chunk=options.chunk)
@@ -219,7 +206,7 @@ def perplexity(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     configs = [("full", None)] + [(p, options.budget) for p in options.policies]
     table: dict[str, list[float]] = {}
     for policy, budget in configs:
-        cache = _cache(loaded, policy, budget, memory_gib=2.0)
+        cache = bench_cache(loaded, policy, budget, memory_gib=2.0)
         cache.add_sequence(0)
         nll = torch.zeros(options.ppl_tokens)
         bar = tqdm(total=options.ppl_tokens, desc=f"bench kv ppl {policy}", leave=False)
@@ -265,7 +252,7 @@ def eviction_overhead(loaded: LoadedModel, options: KvBenchOptions) -> dict:
           f"{'vs full step':>13}")
     baseline = None
     for policy in ("full",) + tuple(options.policies):
-        cache = _cache(loaded, policy, None if policy == "full" else options.budget)
+        cache = bench_cache(loaded, policy, None if policy == "full" else options.budget)
         cache.add_sequence(0)
         feed(loaded.model, cache, 0, ids, chunk=options.chunk)
         before = (cache.stats.eviction_passes, cache.stats.eviction_seconds)

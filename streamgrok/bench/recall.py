@@ -26,9 +26,10 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from streamgrok.cache.config import CacheConfig
+from streamgrok.bench.caches import bench_cache
+from streamgrok.bench.corpus import long_ids, prose_text
 from streamgrok.cache.paged_cache import PagedKVCache
-from streamgrok.cache.recall import attention_scale, rotate
+from streamgrok.cache.recall import attention_scale, causal_logits
 from streamgrok.cache.streaming import feed
 from streamgrok.cache.tokens import STREAM
 from streamgrok.model.batch import BatchMetadata
@@ -62,16 +63,6 @@ class RecallBenchOptions:
 
 # -- streams --------------------------------------------------------------------------------
 
-def prose_text(chars: int, skip: int = 0) -> str:
-    """English prose offline: the Python documentation's topics."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    while len(text) < skip + chars:
-        text += "\n\n" + text
-    return text[skip : skip + chars]
-
-
 def notes_text(lines: int, seed: int) -> str:
     """Observer-style notes of a few cameras, one event per line, with times."""
     rng = random.Random(seed)
@@ -97,7 +88,7 @@ def notes_text(lines: int, seed: int) -> str:
 
 def stream_ids(loaded: LoadedModel, kind: str, tokens: int, seed: int = 0) -> list[int]:
     tok = loaded.tokenizer
-    text = prose_text(tokens * 8, skip=seed * 50_000) if kind == "prose" else \
+    text = prose_text(tokens * 8, skip_chars=seed * 50_000) if kind == "prose" else \
         notes_text(tokens // 8, seed)
     ids = tok.encode(text)
     if len(ids) < tokens:
@@ -175,19 +166,10 @@ def attention_probabilities(cache: PagedKVCache, seq_id: int) -> list[torch.Tens
     capture = cache.captured_queries(seq_id)
     scale = attention_scale(cache.model_config.head_dim)
     out = []
-    for rec, (q, positions) in zip(cache.sequences[seq_id].layers, capture.layers):
-        n = rec.length
-        tables = cache.rotary.tables(n + 1)
-        keys, _ = cache.pool.read(rec.slots().to(cache.device))
-        k_rot = rotate(cache.kernels, keys, torch.arange(n, device=cache.device), tables)
-        q_rot = rotate(cache.kernels, q, positions, tables).float()
-        rows, heads, dim = q_rot.shape
-        kv_heads = k_rot.shape[1]
-        qg = q_rot.view(rows, kv_heads, heads // kv_heads, dim)
-        logits = torch.einsum("rkgd,nkd->rkgn", qg, k_rot.float()) * scale
-        future = torch.arange(n, device=q.device)[None, :] > positions.to(q.device)[:, None]
-        logits = logits.masked_fill(future[:, None, None, :], float("-inf"))
-        out.append(logits.softmax(-1).reshape(rows, heads, n).cpu())
+    for rec, queries in zip(cache.sequences[seq_id].layers, capture.layers):
+        q_rot, k_rot, positions, _ = cache.recaller.rotated(rec, rec.length, queries)
+        logits = causal_logits(q_rot, k_rot, positions, scale)
+        out.append(logits.softmax(-1).reshape(q_rot.shape[0], q_rot.shape[1], -1).cpu())
     return out
 
 
@@ -209,15 +191,6 @@ def kl_top1(full: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
     logq = torch.log_softmax(other, -1)
     kl = float((logp.exp() * (logp - logq)).sum(-1).mean())
     return kl, float((full.argmax(-1) == other.argmax(-1)).float().mean())
-
-
-def tiered_cache(loaded: LoadedModel, policy: str, budget: int | None,
-                 host_gib: float | None = None, memory_gib: float = 1.0,
-                 **extra) -> PagedKVCache:
-    config = CacheConfig(policy=policy, budget_tokens=budget, memory_gib=memory_gib,
-                         host_tier_gib=host_gib, **extra)
-    return PagedKVCache(loaded.config, config, loaded.model.dtype, loaded.model.device,
-                        kernels=loaded.model.kernels)
 
 
 def host_gib_for(loaded: LoadedModel, tokens: int) -> float:
@@ -260,7 +233,7 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
         question = tok.encode(QUESTIONS[kind])
         for context in options.contexts:
             ids = stream_ids(loaded, kind, context)
-            full = tiered_cache(loaded, "full", None)
+            full = bench_cache(loaded, "full", None)
             full.add_sequence(0)
             feed(model, full, 0, ids, chunk=options.chunk)
             answer, full_logits, probs = full_answer(model, full, 1, question,
@@ -271,8 +244,8 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
             first_answer = context + len(question)
             for fraction in options.fractions:
                 budget = int(context * fraction)
-                cache = tiered_cache(loaded, options.policy, budget,
-                                     host_gib=host_gib_for(loaded, context))
+                cache = bench_cache(loaded, options.policy, budget,
+                                    host_tier_gib=host_gib_for(loaded, context))
                 cache.add_sequence(0)
                 feed(model, cache, 0, ids, chunk=options.chunk)
                 for mode in MODES:
@@ -371,8 +344,8 @@ def retrieval(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
                 ids, question, key = needle_case(loaded, task, context, depth, rng)
                 for name, policy, size in (("full", "full", None), ("evict", options.policy,
                                                                       budget)):
-                    cache = tiered_cache(loaded, policy, size, host_gib=None if size is None
-                                         else host_gib_for(loaded, context))
+                    cache = bench_cache(loaded, policy, size, host_tier_gib=None
+                                        if size is None else host_gib_for(loaded, context))
                     cache.add_sequence(0)
                     feed(model, cache, 0, ids, chunk=options.chunk)
                     for mode in ("off",) if size is None else ("off", "guard"):
@@ -413,15 +386,10 @@ def long_stream(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
     model, tok = loaded.model, loaded.tokenizer
     total = options.flat_tokens
     host_gib = host_gib_for(loaded, 4 * options.budget)  # the tier fills and drops
-    cache = tiered_cache(loaded, options.policy, options.budget, host_gib=host_gib,
-                         memory_gib=1.0)
+    cache = bench_cache(loaded, options.policy, options.budget, host_tier_gib=host_gib)
     cache.add_sequence(0)
     question = tok.encode(QUESTIONS["prose"])
-    ids: list[int] = []
-    skip = 0
-    while len(ids) < total:
-        ids += tok.encode(prose_text(400_000, skip=skip))
-        skip += 400_000
+    ids = long_ids(tok, prose_text, total)
     process = psutil.Process()
     every = total // options.flat_questions
     rows = []
@@ -429,9 +397,9 @@ def long_stream(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
     started = time.perf_counter()
     for start in range(0, total, every):
         feed(model, cache, 0, ids[start : start + every], chunk=options.chunk)
-        bar.update(every)
+        bar.update(min(every, total - start))
         forced_answer(model, cache, 5, question, question[:4], "guard")
-        rows.append((start + every, cache.pool.used_pages, cache.tier.used_bytes,
+        rows.append((min(start + every, total), cache.pool.used_pages, cache.tier.used_bytes,
                      cache.tier.stats.dropped_tokens, process.memory_info().rss))
     bar.close()
     elapsed = time.perf_counter() - started

@@ -163,7 +163,7 @@ class PagedKVCache:
                 f"a pinned prefix of {pinned} tokens does not fit the layer budget ({budget})"
             )
         layers = [LayerTokens(self.config.page_size, self.device) for _ in self.budgets]
-        seq = SequenceState(seq_id, layers, pinned=pinned)
+        seq = SequenceState(seq_id, layers, pinned=pinned, budget_bonus=[0] * len(layers))
         self.sequences[seq_id] = seq
         if self.tier is not None:
             self.tier.add_sequence(seq_id, len(layers))
@@ -444,8 +444,7 @@ class PagedKVCache:
     def _evict_sequence(self, seq: SequenceState, force: bool) -> int:
         evicted = 0
         for index, (rec, budget) in enumerate(zip(seq.layers, self.budgets)):
-            if seq.budget_bonus:
-                budget += seq.budget_bonus[index]
+            budget += seq.budget_bonus[index]
             limit = budget if force else budget + self.config.slack
             if rec.length <= limit:
                 continue

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.ops import KernelOps
+from streamgrok.cache.tokens import STREAM
 
 
 @dataclass
@@ -76,17 +77,22 @@ class RecallResult:
                 "recall_guard": self.guard, "recall_ms": round(self.seconds * 1e3, 2)}
 
 
-def resident_lse(q_rot: torch.Tensor, k_rot: torch.Tensor, positions: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-    """log-sum-exp over the resident keys k_rot [n, kvh, D] (rotated by their position) of the
-    logits of each query q_rot [R, H, D] at `positions` [R] (causal); [R, kvh, H/kvh]."""
+def causal_logits(q_rot: torch.Tensor, k_rot: torch.Tensor, positions: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Attention logits [R, kvh, H/kvh, n] of queries q_rot [R, H, D] at `positions` [R] over
+    keys k_rot [n, kvh, D] (both rotated by their positions), -inf past each query."""
     rows, heads, dim = q_rot.shape
     kv_heads = k_rot.shape[1]
     qg = q_rot.float().view(rows, kv_heads, heads // kv_heads, dim)
     logits = torch.einsum("rkgd,nkd->rkgn", qg, k_rot.float()) * scale
     future = torch.arange(k_rot.shape[0], device=q_rot.device)[None, :] > positions[:, None]
-    logits = logits.masked_fill(future[:, None, None, :], float("-inf"))
-    return torch.logsumexp(logits, dim=-1)
+    return logits.masked_fill(future[:, None, None, :], float("-inf"))
+
+
+def resident_lse(q_rot: torch.Tensor, k_rot: torch.Tensor, positions: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """log-sum-exp over the resident keys of each query's logits; [R, kvh, H/kvh]."""
+    return torch.logsumexp(causal_logits(q_rot, k_rot, positions, scale), dim=-1)
 
 
 def score_pages(q_rot: torch.Tensor, lse: torch.Tensor, centers_rot: torch.Tensor,
@@ -147,14 +153,12 @@ def insert_tokens(pool, kernels: KernelOps, rec, k: torch.Tensor, v: torch.Tenso
     as stored, the recalled ones written like new tokens. The old pages are released (shared
     ones stay with their other owner). Raises CacheFullError, changing nothing, when the pool
     has too few free pages."""
-    from streamgrok.cache.tokens import STREAM
-
     n, m = rec.length, k.shape[0]
     order = torch.argsort(torch.cat([rec.column(STREAM), meta[:, STREAM]]), stable=True)
     pages = pool.allocate(math.ceil((n + m) / pool.page_size))
     old_slots, old_pages = rec.slots(), rec.pages
-    slots = (torch.tensor(pages)[:, None] * pool.page_size
-             + torch.arange(pool.page_size)).flatten()[: n + m]
+    rec.set_pages(pages)
+    slots = rec.slot_table()[: n + m]
     from_resident = order < n
     device = pool.paged_kv().k.device
     pool.scatter_raw(slots[from_resident].to(device),
@@ -165,5 +169,4 @@ def insert_tokens(pool, kernels: KernelOps, rec, k: torch.Tensor, v: torch.Tenso
     rec.replace_records(torch.cat([rec.meta[:n], meta])[order],
                         torch.cat([rec.score[:n], rec.score.new_zeros(m)])[order.to(
                             rec.score.device)])
-    rec.set_pages(pages)
     pool.release(old_pages)

@@ -173,8 +173,6 @@ class Recaller:
         except CacheFullError:
             result.limited = True
             return 0
-        if not seq.budget_bonus:
-            seq.budget_bonus = [0] * len(seq.layers)
         seq.budget_bonus[layer] += k.shape[0]
         result.layer_tokens[layer] = k.shape[0]
         return k.shape[0]
@@ -184,14 +182,8 @@ class Recaller:
         """The recall rule for one layer: queries (unrotated [R, H, D], cache positions [R])
         against the first `resident` tokens of `rec` and the host pages of `tier_layer`."""
         cache = self.cache
-        q, positions = queries
-        q = q.to(cache.device)
-        positions = positions.to(cache.device, torch.int64)
-        tables = cache.rotary.tables(max(resident, int(positions.max())) + 1)
+        q_rot, k_rot, positions, tables = self.rotated(rec, resident, queries)
         scale = attention_scale(cache.model_config.head_dim)
-        q_rot = rotate(cache.kernels, q, positions, tables)
-        keys, _ = cache.pool.read(rec.slots(0, resident).to(cache.device))
-        k_rot = rotate(cache.kernels, keys, torch.arange(resident, device=cache.device), tables)
         lse = resident_lse(q_rot, k_rot, positions, scale)
         insert_at = torch.searchsorted(rec.column(STREAM)[:resident].contiguous(),
                                        tier_layer.first_stream().contiguous())
@@ -199,6 +191,18 @@ class Recaller:
         score, mass = score_pages(q_rot, lse, centers_rot, tier_layer.radii, tier_layer.counts,
                                   scale)
         return choose_pages(score, mass, tier_layer.counts, budget, cap, min_hit_rate)
+
+    def rotated(self, rec, resident: int, queries) -> tuple[torch.Tensor, ...]:
+        """The queries (unrotated [R, H, D], cache positions [R]) and the first `resident`
+        keys of `rec`, each rotated by its cache position: (q_rot, k_rot, positions, tables)."""
+        cache = self.cache
+        q, positions = queries
+        positions = positions.to(cache.device, torch.int64)
+        tables = cache.rotary.tables(max(resident, int(positions.max())) + 1)
+        q_rot = rotate(cache.kernels, q.to(cache.device), positions, tables)
+        keys, _ = cache.pool.read(rec.slots(0, resident).to(cache.device))
+        k_rot = rotate(cache.kernels, keys, torch.arange(resident, device=cache.device), tables)
+        return q_rot, k_rot, positions, tables
 
     # -- bookkeeping -----------------------------------------------------------------------
 
