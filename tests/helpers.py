@@ -82,8 +82,10 @@ def write_gguf(
     qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     architecture: str = "llama",
     extra_tensor: tuple[str, np.ndarray, gguf.GGMLQuantizationType] | None = None,
+    extra_specials: tuple[str, ...] = (),
 ) -> Path:
-    """Write `model` as a GGUF file; 2-D weights in `qtype`, norms in F32."""
+    """Write `model` as a GGUF file; 2-D weights in `qtype`, norms in F32; `extra_specials`
+    are special tokens after the byte vocabulary (a vision model's image tokens)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(cfg.num_layers)
@@ -95,11 +97,12 @@ def write_gguf(
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    tokens = byte_vocab()
+    tokens = byte_vocab() + list(extra_specials)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    specials = {*SPECIALS, *extra_specials}
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
     writer.add_token_merges(byte_merges())
     writer.add_bos_token_id(tokens.index("<|im_start|>"))
     writer.add_eos_token_id(tokens.index("<|im_end|>"))

@@ -31,7 +31,8 @@ def test_the_wheel_carries_the_page_the_pipelines_and_the_metadata(wheel):
         entry_points = archive.read(info.replace("METADATA", "entry_points.txt")).decode()
     for shipped in ("streamgrok/server/static/index.html", "streamgrok/server/static/"
                     "assistant.js", "streamgrok/pipelines/live_qa.py",
-                    "streamgrok/pipelines/alert.py", "streamgrok/py.typed", "kernels/ops.py"):
+                    "streamgrok/pipelines/alert.py", "streamgrok/py.typed", "kernels/ops.py",
+                    "streamgrok/vision/mmproj.py"):
         assert shipped in names, shipped
     assert any(n.endswith("licenses/LICENSE") for n in names)
     assert metadata["License-Expression"] == "Apache-2.0"

@@ -152,29 +152,37 @@ def iter_state_dict(
         name = _parameter_name(tensor.name)
         if name is None:
             continue
-        qtype = GGMLQuantizationType(tensor.tensor_type)
-        if qtype not in SUPPORTED_TYPES:
-            raise UnsupportedQuantization(
-                f"{contents.path}: tensor {tensor.name} uses quantization type {qtype.name}, "
-                f"which streamgrok cannot load (supported: "
-                f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
-            )
-        try:
-            array = dequantize(tensor.data, qtype)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"{contents.path}: tensor {tensor.name} could not be read "
-                f"(truncated or corrupt file): {exc}"
-            ) from exc
+        array = tensor_array(tensor, contents.path)
         if config.architecture in _PERMUTED_ROTARY:
             if name.endswith(("attn.wq.weight", "attn.wq.bias")):
                 array = unpermute_rotary(array, config.num_heads)
             elif name.endswith(("attn.wk.weight", "attn.wk.bias")):
                 array = unpermute_rotary(array, config.num_kv_heads)
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if not array.flags.writeable:  # a float tensor viewed straight from the file
-            array = array.copy()
-        yield name, torch.from_numpy(array).to(dtype)
+        yield name, torch.from_numpy(writable_float32(array)).to(dtype)
+
+
+def tensor_array(tensor: Any, path: Path) -> np.ndarray:
+    """One GGUF tensor dequantized to a numpy array (its type checked, errors naming it)."""
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype not in SUPPORTED_TYPES:
+        raise UnsupportedQuantization(
+            f"{path}: tensor {tensor.name} uses quantization type {qtype.name}, "
+            f"which streamgrok cannot load (supported: "
+            f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+        )
+    try:
+        return dequantize(tensor.data, qtype)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"{path}: tensor {tensor.name} could not be read (truncated or corrupt file): {exc}"
+        ) from exc
+
+
+def writable_float32(array: np.ndarray) -> np.ndarray:
+    """A contiguous float32 array torch may own (a float tensor viewed straight from the
+    file is read-only)."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    return array.copy() if not array.flags.writeable else array
 
 
 def _parameter_name(gguf_name: str) -> str | None:

