@@ -46,7 +46,9 @@ class CacheConfig:
     sink_tokens: int = 4
     window_tokens: int | None = None  # default: a quarter of the layer budget
     evict_slack_tokens: int | None = None  # evict past budget + slack (default budget/8)
-    frame_aware: bool = False
+    # keep or evict a frame's tokens together; None: on for models with a vision tower (the
+    # engine decides), off otherwise
+    frame_aware: bool | None = None
     h2o_decay: float = 0.999
     snapkv_window: int = 32
     snapkv_pool: int = 5

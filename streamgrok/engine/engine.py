@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import torch
 
@@ -37,6 +38,7 @@ from streamgrok.model.loader import LoadedModel
 from streamgrok.model.sampling import SamplingParams, new_generator
 from streamgrok.runtime import StepTimer, release_free_memory
 from streamgrok.stream_tokens import TokenInfo
+from streamgrok.vision.batcher import FrameBatcher
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +62,21 @@ class Engine:
         self.config = config or EngineConfig()
         self.kv_group = kv_group if kv_group is not None and kv_group.world > 1 else None
         model = loaded.model
+        cache_config = cache_config or CacheConfig()
+        if cache_config.frame_aware is None:  # a vision model's frames are kept or evicted whole
+            cache_config = replace(cache_config, frame_aware=loaded.vision is not None)
+        # the model's own vision tower, shared by every session (frames batched across them)
+        self.vision = (FrameBatcher(loaded.vision, loaded.tokenizer, loaded.model.embed)
+                       if loaded.vision is not None else None)
         if self.kv_group is None:
             self.cache = PagedKVCache(
-                loaded.config, cache_config or CacheConfig(), loaded.model.dtype,
+                loaded.config, cache_config, loaded.model.dtype,
                 loaded.model.device, kernels=loaded.model.kernels,
             )
         else:
             if self.config.nano_batches != 1:
                 raise ValueError("KV parallelism runs one batch a step: use nano_batches=1")
-            self.cache = LeaderCache(kv_parallel_cache(loaded, cache_config or CacheConfig(),
+            self.cache = LeaderCache(kv_parallel_cache(loaded, cache_config,
                                                        self.kv_group))
             model = LeaderModel(loaded.model, self.kv_group)
         self._ids = itertools.count(1)
@@ -110,11 +118,15 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="streamgrok-engine", daemon=True)
         self._thread.start()
+        if self.vision is not None:
+            self.vision.start()
 
     async def stop(self) -> None:
         """Stop the worker after its current step (and the KV-parallel followers)."""
         self._stopping.set()
         self.wake()
+        if self.vision is not None:
+            await asyncio.to_thread(self.vision.stop)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
         if self.kv_group is not None:

@@ -46,6 +46,7 @@ from streamgrok.pipeline.ingest_stages import (
     Transcribe,
 )
 from streamgrok.pipeline.stage import Stage, start_chain
+from streamgrok.vision.batcher import FrameBatcher
 
 
 @dataclass
@@ -112,11 +113,16 @@ class Ingest:
         video_stages: list[Stage] | None = None,
         speech_model: SpeechModel | None = None,
         degradation: Degradation | None = None,
+        vision: FrameBatcher | None = None,
     ) -> None:
+        """`vision` (the engine's batcher over the model's own vision tower) makes frame
+        tokens the model was trained on; CLIP + `projector` are the other way in, CLIP alone
+        only an index for dedup."""
         self.config = config or IngestConfig()
+        self.vision = vision
         self.clip = clip
         self.projector = projector
-        if clip is not None and projector is None:
+        if clip is not None and projector is None and vision is None:
             raise ValueError("CLIP frame tokens need a projector to the language model")
         self.detectors = detectors
         if self.config.audio and transcriber is None and self.config.transcribe:
@@ -138,7 +144,7 @@ class Ingest:
             video.append(ObserveFrames(FrameObserver(self.detectors), stats, max_age,
                                        self.degradation))
         video.append(EncodeFrames(self.clip, self.projector, config.embedding_dedup, stats,
-                                  max_age))
+                                  max_age, self.vision))
         audio: list[Stage] = []
         if config.audio:
             audio = [DetectSpeech(stats, self.speech_model), Transcribe(self.transcriber, stats)]

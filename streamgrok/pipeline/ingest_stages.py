@@ -34,6 +34,7 @@ from streamgrok.media.items import (
 )
 from streamgrok.media.observers import FrameObserver
 from streamgrok.media.projector import Projector
+from streamgrok.vision.batcher import FrameBatcher, FrameEncodingError
 from streamgrok.media.sampling import PixelDedup, RateSampler
 from streamgrok.media.transcribers import Transcriber, Transcript
 from streamgrok.pipeline.degradation import Degradation
@@ -150,14 +151,17 @@ class ObserveFrames(Stage):
 
 @dataclass
 class EncodeFrames(Stage):
-    """The last video stage: CLIP + projector frame tokens (near-duplicate embeddings
-    dropped), or without an encoder nothing; a frame never leaves the video branch."""
+    """The last video stage: frame tokens from the model's own vision tower (`vision`, shared
+    by the engine's sessions), else from CLIP + a projector, else none. CLIP, when
+    configured, is also each frame's index: a near-duplicate CLIP embedding drops the frame.
+    A frame never leaves the video branch; one the encoder fails on becomes an error."""
 
     clip: ClipEncoder | None
     projector: Projector | None
     embedding_dedup: float
     stats: IngestStats
     max_age_s: float | None = None
+    vision: FrameBatcher | None = None
     name = "encode"
     edge = INNER_EDGE
 
@@ -167,22 +171,26 @@ class EncodeFrames(Stage):
     async def process(self, item: Any) -> list[Any] | None:
         if not isinstance(item, VideoFrame):
             return None
-        if self.clip is None or self.projector is None:
+        if self.vision is None and (self.clip is None or self.projector is None):
             return [Watermark(item.pts)]
         if dropped := drop_if_stale(item, self.max_age_s, self.stats):
             return dropped
-        tokens = await asyncio.to_thread(self._encode, item)
-        if tokens is None:
-            self.stats.embedding_dropped += 1
-            return [Watermark(item.pts)]
-        return [tokens]
-
-    def _encode(self, frame: VideoFrame) -> FrameTokens | None:
-        embedding = self.clip.encode([frame.image])[0]
-        if not self.dedup.keep(embedding, frame.scene_cut):
-            return None
-        vectors = self.projector(embedding[None])[0]
-        return FrameTokens(vectors, frame.pts, frame.index, embedding)
+        embedding = None
+        if self.clip is not None:
+            embedding = await asyncio.to_thread(lambda: self.clip.encode([item.image])[0])
+            if not self.dedup.keep(embedding, item.scene_cut):
+                self.stats.embedding_dropped += 1
+                return [Watermark(item.pts)]
+        if self.vision is not None:
+            try:
+                rows = await self.vision.encode(item.image, item.pts)
+            except FrameEncodingError as exc:
+                self.stats.errors += 1
+                return [MediaError(f"frame at {item.pts:.2f}s dropped: {exc}", pts=item.pts,
+                                   stage="encode"), Watermark(item.pts)]
+            return [FrameTokens(rows, item.pts, item.index, embedding)]
+        vectors = await asyncio.to_thread(lambda: self.projector(embedding[None])[0])
+        return [FrameTokens(vectors, item.pts, item.index, embedding)]
 
 
 @dataclass

@@ -38,6 +38,12 @@ DEFAULT_SYSTEM = (
     "You watch a live video through timestamped notes [mm:ss] of what was seen and said. "
     "Answer briefly, only from the notes; never invent names or events."
 )
+# the default when the model sees the frames themselves (its own vision tower)
+DEFAULT_VISION_SYSTEM = (
+    "You watch a live video: its frames, each after 'Frame from MM:SS:', and timestamped "
+    "notes [mm:ss] of what was seen and said. Answer briefly, only from what the frames and "
+    "notes show; never invent names or events."
+)
 
 
 class Sink(Protocol):
@@ -59,6 +65,8 @@ class Pipeline:
     )
     clip: ClipEncoder | None = None
     projector: Projector | None = None
+    # frame tokens from the loaded model's own vision tower, when it has one
+    vision_tokens: bool = True
     # questions carry the notes that bear on them (see `grounding`); False asks them bare
     grounded: bool = True
     # what a remote client may set in session.start (everything else is server configuration)
@@ -105,7 +113,11 @@ class PipelineRunner:
     def start(self) -> None:
         """Open the engine session and the ingest (before pushing media or asking)."""
         if self.session is None:
-            self.session = self.engine.new_session(self.pipeline.system_prompt)
+            vision = self.engine.vision if self.pipeline.vision_tokens else None
+            system = self.pipeline.system_prompt
+            if vision is not None and system == DEFAULT_SYSTEM:
+                system = DEFAULT_VISION_SYSTEM
+            self.session = self.engine.new_session(system)
             config = self.pipeline.ingest
             shared = self.resources
             transcriber = speech_model = None
@@ -116,7 +128,20 @@ class PipelineRunner:
             self.ingest = Ingest(config, self.pipeline.clip, self.pipeline.projector,
                                  transcriber, shared.media_pool if shared else None,
                                  self.pipeline.video_stages, speech_model,
-                                 shared.degradation if shared else None)
+                                 shared.degradation if shared else None, vision)
+
+    def vision_path(self) -> dict:
+        """Which frame tokens this session's model gets: `vlm` (the model's own vision
+        tower), `clip` (CLIP + projector), or `notes` (none: observers' notes only); CLIP as
+        the per-frame index is reported beside."""
+        ingest = self.ingest
+        index = ingest is not None and ingest.clip is not None
+        if ingest is not None and ingest.vision is not None:
+            return {**ingest.vision.encoder.describe(), "clip_index": index}
+        if ingest is not None and ingest.clip is not None and ingest.projector is not None:
+            return {"kind": "clip", "tokens_per_frame": ingest.projector.tokens,
+                    "clip_index": True}
+        return {"kind": "notes", "tokens_per_frame": 0, "clip_index": index}
 
     def ask(self, question: str, kind: str = "answer", query_id: Any = None,
             max_tokens: int | None = None) -> Answer:

@@ -159,7 +159,8 @@ class ClientConnection:
         self.tasks.append(asyncio.create_task(self._stats_loop()))
         self.send("session.started", session_id=self.runner.session.id,
                   pipeline=self.runner.pipeline.name, model=self.server.loaded.source.name,
-                  replica=self.server.replica, id=message.get("id"))
+                  vision=self.runner.vision_path(), replica=self.server.replica,
+                  id=message.get("id"))
 
     def open_session(self, options: dict | None, message_id: Any = None) -> None:
         """Start this client's pipeline on a new engine session (refused `busy` when the

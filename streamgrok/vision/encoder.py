@@ -70,7 +70,13 @@ class VisionEncoder:
         host."""
         if not frames:
             return torch.empty(0, self.tokens_per_frame, self.connector_config.text_hidden)
-        return self.connector(self.features(self.pixels(frames))).float().cpu()
+        return self.encode_pixels(self.pixels(frames))
+
+    @torch.inference_mode()
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Preprocessed pixels [n, 3, S, S] -> [n, tokens_per_frame, text hidden] float32
+        on the host."""
+        return self.connector(self.features(pixels)).float().cpu()
 
     @torch.inference_mode()
     def frame_rows(self, vectors: torch.Tensor, pts: float, tokenizer,

@@ -39,7 +39,8 @@ function handle(m) {
   switch (m.type) {
     case "session.started":
       started = true;
-      $("status").textContent = `session ${m.session_id} · ${m.pipeline} · ${m.model}`;
+      $("status").textContent = `session ${m.session_id} · ${m.pipeline} · ${m.model} · ` +
+        visionLabel(m.vision);
       break;
     case "response.delta": answerBox(m.query_id).querySelector(".a").textContent += m.delta; break;
     case "response.done": {
@@ -54,6 +55,12 @@ function handle(m) {
     case "error": addEvent(`error ${m.code}: ${m.message}`, "error"); break;
     case "stats": showStats(m); break;
   }
+}
+
+function visionLabel(v) {
+  if (!v || v.kind === "notes") return "sees: notes only (no frame tokens)";
+  if (v.kind === "vlm") return `sees: frames (${v.family} vision tower, ${v.tokens_per_frame} tokens/frame)`;
+  return `sees: frames (CLIP + projector, ${v.tokens_per_frame} tokens/frame)`;
 }
 
 function fmt(t) {

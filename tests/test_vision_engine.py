@@ -1,0 +1,161 @@
+"""A tiny SmolVLM2 streaming frames through the engine and the pipelines: frames batched by
+the engine's vision thread, kept or evicted whole, answers the same as recomputing from the
+frames eviction kept."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.tokens import MODALITY, SOURCE
+from streamgrok.engine import Engine, EngineConfig
+from streamgrok.media.samples import Scene, write_clip
+from streamgrok.model.loader import load_model
+from streamgrok.model.sampling import SamplingParams
+from streamgrok.pipeline import IngestConfig
+from streamgrok.pipeline.pipeline import DEFAULT_VISION_SYSTEM, Pipeline, PipelineRunner
+from streamgrok.stream_tokens import Modality
+from vlm_helpers import TEXT, smolvlm_folder
+
+pytest.importorskip("transformers")
+GREEDY = SamplingParams(max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def one_layer_vlm(tmp_path_factory):
+    """One text layer: a token's K/V then depend on its own embedding and its cache position
+    only, so a bounded session's cache must equal a fresh prefill of what it kept."""
+    import vlm_helpers
+
+    folder = tmp_path_factory.mktemp("vlm1")
+    saved = dict(TEXT)
+    vlm_helpers.TEXT.update(num_hidden_layers=1)
+    try:
+        smolvlm_folder(folder, seed=3)
+    finally:
+        vlm_helpers.TEXT.clear()
+        vlm_helpers.TEXT.update(saved)
+    return load_model(folder)
+
+
+def picture(index: int) -> np.ndarray:
+    rng = np.random.default_rng(index)
+    return rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+
+
+async def test_frames_are_batched_across_sessions_and_evicted_whole(one_layer_vlm):
+    cache = CacheConfig(policy="h2o", budget_tokens=128, evict_slack_tokens=64,
+                        memory_gib=0.02)
+    async with Engine(one_layer_vlm, cache, EngineConfig(merge_window_s=0)) as engine:
+        assert engine.cache.config.frame_aware  # a vision model's default
+        sessions = [engine.new_session("sys") for _ in range(3)]
+        rows = await asyncio.gather(*(engine.vision.encode(picture(i), i / 2)
+                                      for i in range(12)))
+        assert engine.vision.stats.frames == 12
+        width = rows[0].shape[0]
+        assert width == 16 + len(one_layer_vlm.tokenizer.encode(
+            engine.vision.encoder.framing.before(0.0) + engine.vision.encoder.framing.after()))
+        for i, frame_rows in enumerate(rows):
+            session = sessions[i % 3]
+            await session.wait_for_room(width)
+            session.append_embeddings(frame_rows, i / 2, i, droppable=False)
+        for session in sessions:
+            assert await session.ask("what?", SamplingParams(max_tokens=2)).text() is not None
+        for session in sessions:
+            for layer in engine.cache.sequences[session._state.seq_id].layers:
+                frames = layer.column(MODALITY) == int(Modality.FRAME)
+                counts = torch.bincount(layer.column(SOURCE)[frames].long())
+                assert set(counts.tolist()) <= {0, width}  # whole frames only
+
+
+async def test_waiting_frames_of_many_sessions_go_through_the_tower_together(one_layer_vlm):
+    from streamgrok.vision.batcher import FrameBatcher
+
+    batcher = FrameBatcher(one_layer_vlm.vision, one_layer_vlm.tokenizer,
+                           one_layer_vlm.model.embed, max_batch=4, queue_size=32)
+    pending = [asyncio.create_task(batcher.encode(picture(i), i)) for i in range(12)]
+    bad = asyncio.create_task(batcher.encode(np.zeros((4, 4), np.uint8), 0.0))
+    while batcher._queue.qsize() < 13:
+        await asyncio.sleep(0)
+    batcher.start()  # twelve frames waiting: three batches of four, the bad frame alone fails
+    try:
+        rows = await asyncio.gather(*pending)
+        with pytest.raises(Exception, match="frame encoding failed"):
+            await bad
+    finally:
+        await asyncio.to_thread(batcher.stop)
+    assert batcher.stats.batches in (3, 4) and batcher.stats.largest_batch == 4
+    assert batcher.stats.frames == 12 and batcher.stats.errors == 1
+    alone = one_layer_vlm.vision.encode([picture(5)])[0]
+    torch.testing.assert_close(rows[5][-17:-1], alone, atol=1e-5, rtol=0)
+
+
+async def test_answers_equal_a_recompute_from_the_retained_frames(one_layer_vlm):
+    bounded = CacheConfig(policy="h2o", budget_tokens=150, evict_slack_tokens=64,
+                          memory_gib=0.02)
+    async with Engine(one_layer_vlm, bounded, EngineConfig(merge_window_s=0)) as engine:
+        session = engine.new_session("sys")
+        rows = [await engine.vision.encode(picture(i), float(i)) for i in range(10)]
+        for i, frame_rows in enumerate(rows):
+            await session.wait_for_room(frame_rows.shape[0])
+            session.append_embeddings(frame_rows, float(i), i, droppable=False)
+        while session._state.pending.pending_tokens():  # all taken; paused() waits for
+            await asyncio.sleep(0.01)  # the step that prefills the last of them
+        async with engine.paused():  # between steps: cut to the budget, read what is kept
+            engine.cache.evict(force=True)
+            layer = engine.cache.sequences[session._state.seq_id].layers[0]
+            frames = layer.column(MODALITY) == int(Modality.FRAME)
+            kept = sorted(set(layer.column(SOURCE)[frames].long().tolist()))
+            answer = session.ask("which frames?", GREEDY)
+        bounded_text = await answer.text()
+    assert 0 < len(kept) < 10
+    async with Engine(one_layer_vlm, CacheConfig(policy="full", memory_gib=0.02),
+                      EngineConfig(merge_window_s=0)) as engine:
+        session = engine.new_session("sys")
+        for i in kept:
+            await session.wait_for_room(rows[i].shape[0])
+            session.append_embeddings(rows[i], float(i), i, droppable=False)
+        recomputed = await session.ask("which frames?", GREEDY).text()
+    assert bounded_text == recomputed
+
+
+async def test_pipelines_stream_vlm_frame_tokens_and_say_so(one_layer_vlm, tmp_path):
+    clip = write_clip(tmp_path / "clip.mp4", [Scene("astronaut", 1.5), Scene("coffee", 1.5)],
+                      with_audio=False)
+
+    class Collect:
+        events: list = []
+
+        async def send(self, event):
+            self.events.append(event)
+
+    pipeline = Pipeline("vlm", ingest=IngestConfig(fps=2, audio=False, transcribe=False))
+    async with Engine(one_layer_vlm, CacheConfig(budget_tokens=512, memory_gib=0.02),
+                      EngineConfig(merge_window_s=0)) as engine:
+        runner = PipelineRunner(pipeline, engine, [Collect()])
+        runner.start()
+        path = runner.vision_path()
+        assert path["kind"] == "vlm" and path["family"] == "idefics3"
+        assert path["tokens_per_frame"] == 16
+        stats = await runner.run(str(clip))
+        assert engine.vision.stats.frames > 0
+        assert stats.frame_tokens == engine.vision.stats.frames * (
+            16 + len(one_layer_vlm.tokenizer.encode(
+                engine.vision.encoder.framing.before(0) + engine.vision.encoder.framing.after())))
+        assert runner.session is not None
+    off = Pipeline("notes", ingest=IngestConfig(fps=2, audio=False, transcribe=False),
+                   vision_tokens=False)
+    async with Engine(one_layer_vlm, CacheConfig(budget_tokens=512, memory_gib=0.02),
+                      EngineConfig(merge_window_s=0)) as engine:
+        runner = PipelineRunner(off, engine, [Collect()])
+        runner.start()
+        assert runner.vision_path()["kind"] == "notes"
+        assert (await runner.run(str(clip))).frame_tokens == 0
+
+
+def test_the_vision_system_prompt_names_frames():
+    assert "Frame from" in DEFAULT_VISION_SYSTEM
