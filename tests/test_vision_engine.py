@@ -9,6 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from vlm_helpers import TEXT, smolvlm_folder
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.tokens import MODALITY, SOURCE
@@ -19,7 +20,6 @@ from streamgrok.model.sampling import SamplingParams
 from streamgrok.pipeline import IngestConfig
 from streamgrok.pipeline.pipeline import DEFAULT_VISION_SYSTEM, Pipeline, PipelineRunner
 from streamgrok.stream_tokens import Modality
-from vlm_helpers import TEXT, smolvlm_folder
 
 pytest.importorskip("transformers")
 GREEDY = SamplingParams(max_tokens=8)

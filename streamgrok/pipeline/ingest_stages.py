@@ -34,11 +34,11 @@ from streamgrok.media.items import (
 )
 from streamgrok.media.observers import FrameObserver
 from streamgrok.media.projector import Projector
-from streamgrok.vision.batcher import FrameBatcher, FrameEncodingError
 from streamgrok.media.sampling import PixelDedup, RateSampler
 from streamgrok.media.transcribers import Transcriber, Transcript
 from streamgrok.pipeline.degradation import Degradation
 from streamgrok.pipeline.stage import Edge, Stage
+from streamgrok.vision.batcher import FrameBatcher, FrameEncodingError
 
 if TYPE_CHECKING:
     from streamgrok.pipeline.ingest import IngestStats
