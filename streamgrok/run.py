@@ -70,6 +70,17 @@ async def run_pipeline_file(
         resources.close()
 
 
+def describe_vision(path: dict) -> str:
+    """One line on what the model sees of the frames."""
+    if path["kind"] == "vlm":
+        weights = ", RANDOM weights" if path.get("random_weights") else ""
+        return (f"frames through the model's {path['family']} vision tower "
+                f"({path['tokens_per_frame']} tokens a frame{weights})")
+    if path["kind"] == "clip":
+        return f"frames through CLIP + projector ({path['tokens_per_frame']} tokens a frame)"
+    return "no frame tokens (the model reads the observers' notes)"
+
+
 async def _run_pipeline(
     loaded: LoadedModel,
     pipeline: Pipeline,
@@ -88,9 +99,10 @@ async def _run_pipeline(
     async with Engine(loaded, cache) as engine:
         runner = PipelineRunner(pipeline, engine, sinks, progress=print_progress,
                                 resources=resources)
+        runner.start()
         print(f"pipeline {pipeline.name} on {source} "
               f"({'live' if pipeline.ingest.live else 'as fast as possible'}, "
-              f"{pipeline.ingest.fps:g} fps sampled)")
+              f"{pipeline.ingest.fps:g} fps sampled); {describe_vision(runner.vision_path())}")
         stats = await runner.run(source, triggers)
         snap = engine.snapshot()
     for sink in sinks:

@@ -62,6 +62,7 @@ async def test_session_lifecycle_streamed_answer_and_stats(server):
     async with connect(url(server)) as ws:
         started = await start(ws)
         assert started["pipeline"] == "live_qa"
+        assert started["vision"]["kind"] == "notes"  # a text model: the observers' notes only
         await ws.send(pack_media("video.frame", 0, 0.5, jpeg()))
         await ws.send(pack_media("audio.pcm16", 0, 0.5, np.zeros(8000, "<i2").tobytes()))
         await ws.send(json.dumps({"type": "input.text", "text": "The user waves."}))

@@ -159,3 +159,51 @@ async def test_pipelines_stream_vlm_frame_tokens_and_say_so(one_layer_vlm, tmp_p
 
 def test_the_vision_system_prompt_names_frames():
     assert "Frame from" in DEFAULT_VISION_SYSTEM
+
+
+async def test_a_server_on_a_vision_model_sees_pushed_frames(one_layer_vlm):
+    import json
+
+    import cv2
+    from websockets.asyncio.client import connect
+
+    from streamgrok.media.samples import photo
+    from streamgrok.server.app import ServerConfig, StreamgrokServer
+    from streamgrok.server.protocol import pack_media
+
+    config = ServerConfig("pipelines/live_qa.py", port=0,
+                          pipeline_options={"transcribe": "false"}, stats_interval_s=0.2,
+                          max_media_per_second=50, load_tick_s=None)
+    server = StreamgrokServer(one_layer_vlm, config, CacheConfig(budget_tokens=512,
+                                                                 memory_gib=0.02))
+    await server.start()
+    try:
+        async with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await ws.send(json.dumps({"type": "session.start", "id": "s1"}))
+            while (started := json.loads(await asyncio.wait_for(ws.recv(), 20)))["type"] \
+                    != "session.started":
+                pass
+            assert started["vision"]["kind"] == "vlm"
+            assert started["vision"]["tokens_per_frame"] == 16
+            # four seconds of camera without a microphone: the merge stops waiting for audio
+            # two seconds behind the newest frame, and the first frames go into the session
+            for i, name in enumerate(("astronaut", "coffee", "astronaut", "coffee")):
+                ok, data = cv2.imencode(".jpg", photo(name, 160, 120))
+                await ws.send(pack_media("video.frame", i, i * 1.0, data.tobytes()))
+            (connection,) = server.connections
+            for _ in range(3000):  # the frames reach the session, then the question
+                if connection.runner.stats.frame_tokens > 0:
+                    break
+                await asyncio.sleep(0.01)
+            await ws.send(json.dumps({"type": "query", "id": "q1", "text": "What is seen?"}))
+            while (done := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] \
+                    != "response.done":
+                pass
+            assert done["query_id"] == "q1"
+            assert connection.runner.stats.frame_tokens % (16 + len(
+                one_layer_vlm.tokenizer.encode(
+                    server.engine.vision.encoder.framing.before(0)
+                    + server.engine.vision.encoder.framing.after()))) == 0
+        assert server.engine.vision.stats.frames >= 1
+    finally:
+        await server.stop()

@@ -140,11 +140,16 @@ class Ingest:
         video: list[Stage] = [SampleFrames(config.fps, stats, self.degradation),
                               DropDuplicateFrames(config.dedup_threshold, stats),
                               *self.video_stages]
-        if config.observers:
-            video.append(ObserveFrames(FrameObserver(self.detectors), stats, max_age,
-                                       self.degradation))
-        video.append(EncodeFrames(self.clip, self.projector, config.embedding_dedup, stats,
-                                  max_age, self.vision))
+        encode = EncodeFrames(self.clip, self.projector, config.embedding_dedup, stats,
+                              max_age, self.vision)
+        observe = (ObserveFrames(FrameObserver(self.detectors), stats, max_age,
+                                 self.degradation) if config.observers else None)
+        if self.vision is not None and observe is not None:
+            # the model's own frame tokens first: slow observers must not make them stale
+            encode.pass_frames, observe.last = True, True
+            video += [encode, observe]
+        else:
+            video += [s for s in (observe, encode) if s is not None]
         audio: list[Stage] = []
         if config.audio:
             audio = [DetectSpeech(stats, self.speech_model), Transcribe(self.transcriber, stats)]

@@ -128,6 +128,7 @@ class ObserveFrames(Stage):
     stats: IngestStats
     max_age_s: float | None = None
     degradation: Degradation = field(default_factory=Degradation)
+    last: bool = False  # the branch's last stage: a frame ends here (its watermark goes on)
     name = "observe"
     edge = INNER_EDGE
 
@@ -143,10 +144,11 @@ class ObserveFrames(Stage):
             self.stats.errors += 1
             return [MediaError(f"frame at {item.pts:.2f}s dropped: {exc}", pts=item.pts,
                                stage="observe"), Watermark(item.pts)]
+        onward = Watermark(item.pts) if self.last else item
         if note is None:
-            return None
+            return [onward] if self.last else None
         self.stats.notes += 1
-        return [note, item]
+        return [note, onward]
 
 
 @dataclass
@@ -162,6 +164,7 @@ class EncodeFrames(Stage):
     stats: IngestStats
     max_age_s: float | None = None
     vision: FrameBatcher | None = None
+    pass_frames: bool = False  # the observers come after: the frame goes on to them
     name = "encode"
     edge = INNER_EDGE
 
@@ -171,8 +174,9 @@ class EncodeFrames(Stage):
     async def process(self, item: Any) -> list[Any] | None:
         if not isinstance(item, VideoFrame):
             return None
+        onward = item if self.pass_frames else Watermark(item.pts)
         if self.vision is None and (self.clip is None or self.projector is None):
-            return [Watermark(item.pts)]
+            return [onward]
         if dropped := drop_if_stale(item, self.max_age_s, self.stats):
             return dropped
         embedding = None
@@ -187,10 +191,10 @@ class EncodeFrames(Stage):
             except FrameEncodingError as exc:
                 self.stats.errors += 1
                 return [MediaError(f"frame at {item.pts:.2f}s dropped: {exc}", pts=item.pts,
-                                   stage="encode"), Watermark(item.pts)]
-            return [FrameTokens(rows, item.pts, item.index, embedding)]
+                                   stage="encode"), onward]
+            return [FrameTokens(rows, item.pts, item.index, embedding), onward]
         vectors = await asyncio.to_thread(lambda: self.projector(embedding[None])[0])
-        return [FrameTokens(vectors, item.pts, item.index, embedding)]
+        return [FrameTokens(vectors, item.pts, item.index, embedding), onward]
 
 
 @dataclass

@@ -61,7 +61,10 @@ class FramePreprocessor:
         if frame.ndim != 3 or frame.shape[2] != 3 or frame.dtype != np.uint8:
             raise ValueError(f"a frame must be RGB uint8 [H, W, 3], got {frame.dtype} "
                              f"{tuple(frame.shape)}")
-        image = torch.from_numpy(np.ascontiguousarray(frame)).permute(2, 0, 1)
+        image = np.ascontiguousarray(frame)
+        if not image.flags.writeable:  # a decoded frame may be read-only; torch wants to own
+            image = image.copy()
+        image = torch.from_numpy(image).permute(2, 0, 1)
         c, size = self.config, self.config.image_size
         if c.mode == "square":
             if c.longest_edge:
