@@ -311,6 +311,9 @@ def _add_bench_commands(commands) -> None:
     media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
     media.add_argument("--fps", type=float, default=2.0, help="sampling rate")
     media.add_argument("--threads", type=int, default=None, help="torch threads")
+    media.add_argument("--parts", default="all", choices=("all", "vision"),
+                       help="all, or only the vision towers' throughput")
+    media.add_argument("--out", default="bench-results", help="folder for the plot")
 
 
 def _load(args: argparse.Namespace):
@@ -456,7 +459,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from streamgrok.runtime import configure_threads
 
         configure_threads(args.threads)
-        run_media_bench(args.clip_weights, args.fps)
+        run_media_bench(args.clip_weights, args.fps, args.parts, args.out)
         return 0
     if args.bench == "grounding":
         from streamgrok.bench.grounding import run_grounding_bench

@@ -32,9 +32,13 @@ BUSY = [Scene(name, 2.0, moving_square=True) for name in
         ("astronaut", "coffee", "chelsea", None, "camera")] * 2
 
 
-def run_media_bench(clip_weights: str | None = None, fps: float = 2.0) -> dict:
+def run_media_bench(clip_weights: str | None = None, fps: float = 2.0,
+                    parts: str = "all", out: str = "bench-results") -> dict:
+    """`parts`: all, or vision (only the vision towers' throughput)."""
     print(f"threads {torch.get_num_threads()}")
     results = {}
+    if parts == "vision":
+        return run_vision_part(clip_weights, out)
     with tempfile.TemporaryDirectory() as tmp:
         demo = write_clip(Path(tmp) / "demo.mp4", DEMO_SCENES * 3, width=640, height=360,
                           fps=25)
@@ -59,12 +63,7 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0) -> dict:
             print(f"dedup      {name:<6} clip at {fps:g} fps: {dedup.stats.seen} sampled, "
                   f"{dedup.stats.dropped} dropped ({ratio:.0%}), {dedup.stats.cuts} cuts")
 
-        try:
-            encoder = ClipEncoder("ViT-B-32", pretrained=clip_weights)
-            label = "ViT-B-32"
-        except ClipWeightsMissing:
-            encoder = ClipEncoder("ViT-B-32", allow_random=True)
-            label = "ViT-B-32 (random weights: no CLIP weights configured)"
+        encoder, label = clip_baseline(clip_weights)
         images = [f.image for f in decode_container(str(demo), audio=False)
                   if isinstance(f, VideoFrame)][:32]
         encoder.encode(images[:2])
@@ -76,6 +75,9 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0) -> dict:
             results[f"clip_b{batch}_fps"] = rate
             print(f"CLIP       {label} batch {batch:>2}: {rate:6.1f} frames/s")
 
+        from streamgrok.bench.vision import vision_bench
+
+        results.update(vision_bench(images, encoder, out))
         results.update(observer_costs(images, busy))
         results.update(speech_bench())
 
@@ -98,6 +100,25 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0) -> dict:
                   f"frames/s, {items} items, {stream_s:.0f} s of stream in {wall:.1f} s = "
                   f"{realtime:.1f}x real time -> ~{int(realtime)} live {fps:g}-fps streams")
     return results
+
+
+def run_vision_part(clip_weights: str | None, out: str) -> dict:
+    """The vision towers alone, on decoded demo frames."""
+    from streamgrok.bench.vision import vision_bench
+
+    with tempfile.TemporaryDirectory() as tmp:
+        demo = write_clip(Path(tmp) / "demo.mp4", DEMO_SCENES, width=640, height=360, fps=25)
+        images = [f.image for f in decode_container(str(demo), audio=False)
+                  if isinstance(f, VideoFrame)][:32]
+    return vision_bench(images, clip_baseline(clip_weights)[0], out)
+
+
+def clip_baseline(clip_weights: str | None) -> tuple[ClipEncoder, str]:
+    try:
+        return ClipEncoder("ViT-B-32", pretrained=clip_weights), "ViT-B-32"
+    except ClipWeightsMissing:
+        return (ClipEncoder("ViT-B-32", allow_random=True),
+                "ViT-B-32 (random weights: no CLIP weights configured)")
 
 
 def observer_costs(images: list, busy_clip: Path, repeats: int = 5) -> dict:
