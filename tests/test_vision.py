@@ -206,3 +206,25 @@ def test_unsupported_vision_configs_are_named(smolvlm, tmp_path):
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match="vision activation 'relu'"):
         load_model(folder)
+
+
+SMOLVLM_TEMPLATE = (  # the shape of SmolVLM2's own template: content is a list of typed parts
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}"
+    "{% endif %}")
+
+
+def test_a_processor_chat_template_with_typed_parts_renders_plain_text_turns(smolvlm, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(smolvlm[0], folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": SMOLVLM_TEMPLATE}))
+    tok = load_model(folder).tokenizer
+    text = tok.render_chat([{"role": "user", "content": "what is on screen?"}])
+    assert text == "<|im_start|>User: what is on screen?<end_of_utterance>\nAssistant:"

@@ -131,7 +131,7 @@ class Tokenizer:
             raise ModelLoadError(f"{folder}: no eos_token in tokenizer_config.json")
         specials = {t.content for t in hf.get_added_tokens_decoder().values() if t.special}
         stops = _stop_ids(hf, eos, specials) | frozenset(extra_eos)
-        template = config.get("chat_template")
+        template = config.get("chat_template") or _folder_template(folder)
         if isinstance(template, list):
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return cls(
@@ -180,6 +180,10 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_template_error
             env.globals["strftime_now"] = lambda fmt: date.today().strftime(fmt)
             self._template_cache = env.from_string(self.chat_template)
+        if "['type']" in self.chat_template or '["type"]' in self.chat_template:
+            # a vision-language template reads content as a list of typed parts
+            messages = [{**m, "content": [{"type": "text", "text": m["content"]}]}
+                        if isinstance(m.get("content"), str) else m for m in messages]
         return self._template_cache.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
@@ -189,6 +193,18 @@ class Tokenizer:
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.hf.id_to_token(token_id) or "")
+
+
+def _folder_template(folder: Path) -> str | None:
+    """A chat template kept beside the tokenizer (chat_template.jinja, or the processor's
+    chat_template.json, as vision-language folders keep it)."""
+    from streamgrok.model.hf_loader import read_json
+
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    if (folder / "chat_template.json").is_file():
+        return read_json(folder / "chat_template.json").get("chat_template")
+    return None
 
 
 def _raise_template_error(message: str) -> None:
