@@ -207,3 +207,55 @@ async def test_a_server_on_a_vision_model_sees_pushed_frames(one_layer_vlm):
         assert server.engine.vision.stats.frames >= 1
     finally:
         await server.stop()
+
+
+def test_the_frame_index_finds_the_nearest_frames_and_drops_the_oldest():
+    from streamgrok.media.frame_index import FrameIndex
+
+    index = FrameIndex(capacity=4)
+    vectors = torch.nn.functional.normalize(torch.randn(6, 8), dim=-1)
+    for i, v in enumerate(vectors):
+        index.add(float(i), i, v)
+    assert len(index) == 4 and index.dropped == 2
+    best = index.search(vectors[4], top_k=2)
+    assert best[0].frame == 4 and best[0].score == pytest.approx(1.0, abs=1e-2)
+    assert best[0].score >= best[1].score
+    assert all(m.frame >= 2 for m in index.search(vectors[0], top_k=4))  # 0 and 1 are gone
+
+
+async def test_clip_indexes_the_frames_beside_the_vlm_tokens_for_text_search(one_layer_vlm,
+                                                                              tmp_path):
+    from streamgrok.media.clip import ClipEncoder
+
+    clip_file = write_clip(tmp_path / "clip.mp4",
+                           [Scene("astronaut", 1.5), Scene("coffee", 1.5)], with_audio=False)
+    clip = ClipEncoder("ViT-B-32", allow_random=True)  # speed and plumbing, not meaning
+    pipeline = Pipeline("vlm+clip", ingest=IngestConfig(fps=2, audio=False, transcribe=False,
+                                                        observers=False), clip=clip)
+
+    class Null:
+        async def send(self, event):
+            pass
+
+    async with Engine(one_layer_vlm, CacheConfig(budget_tokens=512, memory_gib=0.02),
+                      EngineConfig(merge_window_s=0)) as engine:
+        runner = PipelineRunner(pipeline, engine, [Null()])
+        runner.start()
+        assert runner.vision_path()["kind"] == "vlm" and runner.vision_path()["clip_index"]
+        stats = await runner.run(str(clip_file))
+        matches = await runner.search_frames("an astronaut", top_k=3)
+    assert stats.frame_tokens > 0 and len(runner.frame_index) > 0
+    assert 0 < len(matches) <= 3
+    assert [m.score for m in matches] == sorted((m.score for m in matches), reverse=True)
+    assert all(0 <= m.pts <= 3.0 for m in matches)
+
+
+async def test_frame_search_without_clip_is_a_clear_error(one_layer_vlm):
+    from streamgrok.errors import StreamgrokError
+
+    async with Engine(one_layer_vlm, CacheConfig(budget_tokens=512, memory_gib=0.02),
+                      EngineConfig(merge_window_s=0)) as engine:
+        runner = PipelineRunner(Pipeline("x", ingest=IngestConfig(audio=False)), engine, [])
+        runner.start()
+        with pytest.raises(StreamgrokError, match="needs CLIP"):
+            await runner.search_frames("a red car")

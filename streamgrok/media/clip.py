@@ -68,6 +68,7 @@ class ClipEncoder:
             ) from exc
         self.model = model.eval().requires_grad_(False)
         self.preprocess = preprocess
+        self.tokenize = open_clip.get_tokenizer(model_name)
         self.device = torch.device(device)
         self.model_name = model_name
         self.dim = int(self.model.visual.output_dim)
@@ -81,6 +82,14 @@ class ClipEncoder:
             return torch.empty(0, self.dim)
         batch = torch.stack([self.preprocess(Image.fromarray(im)) for im in images])
         features = self.model.encode_image(batch.to(self.device))
+        return F.normalize(features.float(), dim=-1).cpu()
+
+
+    @torch.inference_mode()
+    def encode_text(self, texts: list[str]) -> torch.Tensor:
+        """[n, dim] unit vectors for texts, in the same space as the frames' (text-to-frame
+        search)."""
+        features = self.model.encode_text(self.tokenize(texts).to(self.device))
         return F.normalize(features.float(), dim=-1).cpu()
 
 

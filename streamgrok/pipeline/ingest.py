@@ -117,13 +117,11 @@ class Ingest:
     ) -> None:
         """`vision` (the engine's batcher over the model's own vision tower) makes frame
         tokens the model was trained on; CLIP + `projector` are the other way in, CLIP alone
-        only an index for dedup."""
+        only the frames' index (dedup and text-to-frame search)."""
         self.config = config or IngestConfig()
         self.vision = vision
         self.clip = clip
         self.projector = projector
-        if clip is not None and projector is None and vision is None:
-            raise ValueError("CLIP frame tokens need a projector to the language model")
         self.detectors = detectors
         if self.config.audio and transcriber is None and self.config.transcribe:
             transcriber = load_transcriber(self.config.speech_model)

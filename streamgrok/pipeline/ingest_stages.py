@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import cv2
+import torch
 
 from streamgrok.errors import StreamgrokError
 from streamgrok.media.audio import (
@@ -155,7 +156,8 @@ class ObserveFrames(Stage):
 class EncodeFrames(Stage):
     """The last video stage: frame tokens from the model's own vision tower (`vision`, shared
     by the engine's sessions), else from CLIP + a projector, else none. CLIP, when
-    configured, is also each frame's index: a near-duplicate CLIP embedding drops the frame.
+    configured, is also each frame's index (text-to-frame search; with neither a tower nor a
+    projector the index is all it gives): a near-duplicate CLIP embedding drops the frame.
     A frame never leaves the video branch; one the encoder fails on becomes an error."""
 
     clip: ClipEncoder | None
@@ -175,7 +177,7 @@ class EncodeFrames(Stage):
         if not isinstance(item, VideoFrame):
             return None
         onward = item if self.pass_frames else Watermark(item.pts)
-        if self.vision is None and (self.clip is None or self.projector is None):
+        if self.vision is None and self.clip is None:
             return [onward]
         if dropped := drop_if_stale(item, self.max_age_s, self.stats):
             return dropped
@@ -193,6 +195,8 @@ class EncodeFrames(Stage):
                 return [MediaError(f"frame at {item.pts:.2f}s dropped: {exc}", pts=item.pts,
                                    stage="encode"), onward]
             return [FrameTokens(rows, item.pts, item.index, embedding), onward]
+        if self.projector is None:  # CLIP as the frames' index only: no tokens for the model
+            return [FrameTokens(torch.empty(0, 0), item.pts, item.index, embedding), onward]
         vectors = await asyncio.to_thread(lambda: self.projector(embedding[None])[0])
         return [FrameTokens(vectors, item.pts, item.index, embedding), onward]
 

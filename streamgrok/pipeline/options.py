@@ -29,19 +29,21 @@ def option(options: dict[str, Any], key: str, default: T, kind: Callable[[Any], 
 
 
 def frame_encoders(options: dict[str, Any]) -> tuple[ClipEncoder | None, Projector | None]:
-    """CLIP + projector when both `clip_weights` and `projector` options are given, else none
-    (the pipeline then runs on the offline observers and transcripts). Loaded once per
+    """CLIP when the `clip_weights` option is given (each frame's index: dedup and
+    text-to-frame search), and its projector to frame tokens when `projector` is given too
+    (a model with its own vision tower needs none); else none (the pipeline then runs on
+    the offline observers and transcripts, or the model's own tower). Loaded once per
     process when `options` carries shared resources (a `PipelineOptions` from a runner)."""
     weights, projector = options.get("clip_weights"), options.get("projector")
-    if not weights or not projector:
+    if not weights:
         return None, None
     model = options.get("clip_model", "ViT-B-32")
     hidden = options.get("hidden_size")
     hidden = int(hidden) if hidden else None
 
-    def load() -> tuple[ClipEncoder, Projector]:
+    def load() -> tuple[ClipEncoder, Projector | None]:
         return (ClipEncoder(model, pretrained=weights),
-                Projector.load(projector, hidden=hidden))
+                Projector.load(projector, hidden=hidden) if projector else None)
 
     resources = getattr(options, "resources", None)
     if resources is None:

@@ -16,6 +16,7 @@ from streamgrok.engine import Engine
 from streamgrok.engine.session import Answer, Session
 from streamgrok.errors import StreamgrokError
 from streamgrok.media.clip import ClipEncoder
+from streamgrok.media.frame_index import FrameIndex, FrameMatch
 from streamgrok.media.items import FrameTokens, MediaError, Note
 from streamgrok.media.projector import Projector
 from streamgrok.model.sampling import SamplingParams
@@ -99,6 +100,7 @@ class PipelineRunner:
         self.ingest: Ingest | None = None
         self._answers: list[asyncio.Task] = []
         self.notes = NoteLog()
+        self.frame_index = FrameIndex()  # CLIP embeddings of the frames, when CLIP runs
 
     async def send(self, event: PipelineEvent) -> None:
         for sink in self.sinks:
@@ -129,6 +131,15 @@ class PipelineRunner:
                                  transcriber, shared.media_pool if shared else None,
                                  self.pipeline.video_stages, speech_model,
                                  shared.degradation if shared else None, vision)
+
+    async def search_frames(self, text: str, top_k: int = 5) -> list[FrameMatch]:
+        """The stream's frames that best match `text` through CLIP's text encoder (needs
+        CLIP: `clip_weights`), best first."""
+        clip = self.ingest.clip if self.ingest is not None else None
+        if clip is None:
+            raise StreamgrokError("frame search needs CLIP: the server sets clip_weights")
+        query = await asyncio.to_thread(clip.encode_text, [text])
+        return self.frame_index.search(query[0], top_k)
 
     def vision_path(self) -> dict:
         """Which frame tokens this session's model gets: `vlm` (the model's own vision
@@ -208,9 +219,12 @@ class PipelineRunner:
             self.stats.stream_time = max(self.stats.stream_time, pts)
         live = self.pipeline.ingest.live
         if isinstance(item, FrameTokens):
-            if not live:  # a file's frames are never dropped: wait for room instead
-                await session.wait_for_room(item.vectors.shape[0])
-            session.append_embeddings(item.vectors, item.pts, item.index, droppable=live)
+            if item.vectors.shape[0]:  # none when CLIP only indexes the frame
+                if not live:  # a file's frames are never dropped: wait for room instead
+                    await session.wait_for_room(item.vectors.shape[0])
+                session.append_embeddings(item.vectors, item.pts, item.index, droppable=live)
+            if item.embedding is not None:
+                self.frame_index.add(item.pts, item.index, item.embedding)
             self.stats.frame_tokens += item.vectors.shape[0]
         elif isinstance(item, Note):
             self.stats.notes += 1

@@ -142,6 +142,8 @@ class ClientConnection:
             await self.runner.session.append_message(message["text"])
         elif kind == "query":
             await self._query(message)
+        elif kind == "frames.search":
+            await self._search_frames(message)
         elif kind == "response.cancel":
             answer = self.answers.get(message["query_id"])
             if answer is None:
@@ -193,6 +195,16 @@ class ClientConnection:
         log.error("pipeline of a client session failed", exc_info=error)
         self.error("pipeline_failed", f"the session's pipeline stopped: "
                    f"{type(error).__name__}: {error}")
+
+    async def _search_frames(self, message: dict) -> None:
+        self._check_text_size(message)
+        top_k = message.get("top_k", 5)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 50:
+            raise ProtocolError("bad_field", "top_k must be an integer in [1, 50]",
+                                message.get("id"))
+        matches = await self.runner.search_frames(message["text"], top_k)
+        self.send("frames.found", id=message.get("id"), indexed=len(self.runner.frame_index),
+                  matches=[m.as_dict() for m in matches])
 
     async def _query(self, message: dict) -> None:
         self._check_text_size(message)

@@ -26,6 +26,7 @@ CLIENT_TYPES = {
     "response.cancel": ("query_id",),
     "session.end": (),
     "audio.format": ("rate",),
+    "frames.search": ("text",),
 }
 
 
