@@ -1,7 +1,9 @@
 """Interactive questions over a live stream: the server's default pipeline.
 
 Everything the camera shows and the microphone hears goes into the session's context as
-timestamped notes (and CLIP frame tokens when weights and a projector are configured);
+timestamped notes, and the frames themselves as the model's own frame tokens when the model
+has a vision tower (SmolVLM2, LLaVA, a GGUF with --mmproj), or CLIP + projector tokens when
+those are configured;
 questions come from the command line (--ask, --ask-at) or from websocket clients.
 
     streamgrok run pipelines/live_qa.py --source demos/media/demo.mp4 --live \

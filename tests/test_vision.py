@@ -228,3 +228,31 @@ def test_a_processor_chat_template_with_typed_parts_renders_plain_text_turns(smo
     tok = load_model(folder).tokenizer
     text = tok.render_chat([{"role": "user", "content": "what is on screen?"}])
     assert text == "<|im_start|>User: what is on screen?<end_of_utterance>\nAssistant:"
+
+
+def test_the_vision_benchmark_measures_real_shapes_and_plots(tmp_path):
+    from dataclasses import replace
+
+    from streamgrok.bench.vision import (
+        CLIP_B32,
+        SMOLVLM2_256M,
+        plot,
+        random_encoder,
+        time_batches,
+        tower_flops,
+    )
+    from streamgrok.vision.config import ConnectorConfig, VisionConfig
+
+    assert SMOLVLM2_256M.connector.tokens_per_image(SMOLVLM2_256M.vision) == 64
+    assert CLIP_B32.connector.tokens_per_image(CLIP_B32.vision) == 49
+    # SigLIP-B/16 at 512 px: ~87 M multiply-adds per patch row block; about 0.2 TFLOP a frame
+    assert 1.5e11 < tower_flops(SMOLVLM2_256M) < 3e11
+    small = replace(SMOLVLM2_256M, vision=VisionConfig(32, 64, 1, 4, 32, 8),
+                    connector=ConnectorConfig("pixel_shuffle", 16, 2, bias=False),
+                    preprocess=replace(SMOLVLM2_256M.preprocess, image_size=32,
+                                       longest_edge=48))
+    encoder = random_encoder(small)
+    assert encoder.random_weights and encoder.encode(frames(6)).shape == (2, 4, 16)
+    assert time_batches(encoder.encode, frames(6), 2, 4) > 0
+    path = plot([("a", 1, 2.0), ("a", 16, 3.0), ("b", 1, 1.0)], tmp_path / "p.png")
+    assert path.stat().st_size > 1000
