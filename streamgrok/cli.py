@@ -324,11 +324,13 @@ def _load(args: argparse.Namespace):
     configure_threads(args.threads)
     device = resolve_device(args.device)
     dtype = {"f32": "float32", "bf16": "bfloat16"}.get(args.weights, args.dtype)
-    from streamgrok.model.hub import resolve
+    from streamgrok.model.hub import is_hub_name, resolve
 
     offline = getattr(args, "offline", False)
     loaded = load_model(resolve(args.model, offline), resolve_dtype(dtype, device), device,
                         args.weights, mmproj=resolve(getattr(args, "mmproj", None), offline))
+    if args.model and is_hub_name(args.model):
+        loaded.name = args.model
     loaded.model.kernels = KernelOps(args.kernels)
     return loaded
 
@@ -374,7 +376,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     cfg, model = loaded.config, loaded.model
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     rows = [
-        ("model", str(loaded.source)),
+        ("model", loaded.name if loaded.name != loaded.source.name
+         else str(loaded.source)),
         ("architecture", cfg.architecture),
         ("parameters", f"{params / 1e6:.1f} M"),
         ("layers / hidden / ffn",

@@ -59,6 +59,7 @@ def test_a_cached_vision_model_loads_by_name_offline(hub_cache):
     assert done.returncode == 0, done.stderr
     assert "vision" in done.stdout and "idefics3" in done.stdout
     assert "16 tokens a frame" in done.stdout
+    assert "test-org/tiny-smolvlm" in done.stdout  # named as asked, not by its snapshot
 
 
 def test_an_uncached_name_offline_says_how_to_fix_it(hub_cache):

@@ -53,7 +53,7 @@ class KvBenchOptions:
 
 def run_kv_bench(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     """Run the chosen parts, print their tables, return the numbers."""
-    print(f"model {loaded.source.name}  dtype {str(loaded.model.dtype).removeprefix('torch.')}  "
+    print(f"model {loaded.name}  dtype {str(loaded.model.dtype).removeprefix('torch.')}  "
           f"threads {torch.get_num_threads()}")
     options.out_dir.mkdir(parents=True, exist_ok=True)
     runners = {"flat": flat_memory, "passkey": passkey, "ppl": perplexity,

@@ -156,7 +156,7 @@ def run_serve_bench(loaded: LoadedModel, counts: list[int], max_tokens: int = 24
     default) gets its own engine, baseline and table, in this one run, after an untimed
     warm-up engine (repeat a value, e.g. 2,1,2,1, to see the run-to-run spread)."""
     threads = torch.get_num_threads()
-    print(f"model {loaded.source.name}  dtype {str(loaded.model.dtype).removeprefix('torch.')}  "
+    print(f"model {loaded.name}  dtype {str(loaded.model.dtype).removeprefix('torch.')}  "
           f"threads {threads}  answer tokens {max_tokens}  nano-batches {nano_batches}")
     cache = CacheConfig(budget_tokens=1024, memory_gib=2.0)
     out = {}

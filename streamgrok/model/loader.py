@@ -34,6 +34,10 @@ class LoadedModel:
     config: ModelConfig
     source: Path
     vision: VisionEncoder | None = None  # the model's own vision tower, when it has one
+    name: str = ""  # what to call it (a Hub name, else the file or folder name)
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.source.name
 
 
 def default_model_path() -> Path:

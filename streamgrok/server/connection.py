@@ -160,7 +160,7 @@ class ClientConnection:
         self.open_session(message.get("options"), message.get("id"))
         self.tasks.append(asyncio.create_task(self._stats_loop()))
         self.send("session.started", session_id=self.runner.session.id,
-                  pipeline=self.runner.pipeline.name, model=self.server.loaded.source.name,
+                  pipeline=self.runner.pipeline.name, model=self.server.loaded.name,
                   vision=self.runner.vision_path(), replica=self.server.replica,
                   id=message.get("id"))
 
