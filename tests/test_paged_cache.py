@@ -214,6 +214,37 @@ def test_frame_aware_eviction_keeps_or_drops_whole_frames():
         assert rec.length <= 64 and counts.gt(0).sum() >= 4
 
 
+@pytest.mark.parametrize("policy", ["h2o", "redundancy"])
+def test_frames_a_newer_frame_repeats_are_evicted_first_with_clip_embeddings(policy):
+    """Twelve frames: 0-5 one static scene (the same CLIP embedding), 6-11 all different.
+    With their embeddings indexed, eviction drops the static scene's older frames before
+    any distinct frame; the static scene keeps its newest frame. Budget: 8 frames."""
+    config = CacheConfig(policy=policy, budget_tokens=96, sink_tokens=0, frame_aware=True)
+    distinct = torch.nn.functional.normalize(torch.randn(7, 16, generator=torch.Generator()
+                                                         .manual_seed(1)), dim=-1)
+    cache = PagedKVCache(CFG, config, num_pages=128)
+    cache.add_sequence(0)
+    for frame in range(12):
+        append_random(cache, 0, 12, TokenInfo.uniform(12, Modality.FRAME, frame, frame, False),
+                      seed=frame)
+        cache.index_frame(0, frame, distinct[0] if frame < 6 else distinct[frame - 5])
+    cache.evict(force=True)
+    for rec in cache.sequences[0].layers:
+        kept = set(rec.column(SOURCE).long().tolist())
+        assert kept >= {5, 6, 7, 8, 9, 10, 11} and len(kept & {0, 1, 2, 3, 4}) == 1
+    # without the index the same stream keeps old static frames over distinct ones
+    plain = PagedKVCache(CFG, config, num_pages=128)
+    plain.add_sequence(0)
+    for frame in range(12):
+        append_random(plain, 0, 12, TokenInfo.uniform(12, Modality.FRAME, frame, frame, False),
+                      seed=frame)
+    plain.evict(force=True)
+    assert any(not set(r.column(SOURCE).long().tolist()) >= {5, 6, 7, 8, 9, 10, 11}
+               for r in plain.sequences[0].layers)
+    assert set(cache.sequences[0].frame_embeddings) == set().union(
+        *(set(r.column(SOURCE).long().tolist()) for r in cache.sequences[0].layers))
+
+
 def test_int8_pages_use_about_a_quarter_of_float32_memory():
     f32 = CacheConfig(kv_dtype="float32").page_bytes(CFG)
     i8 = CacheConfig(kv_dtype="int8").page_bytes(CFG)

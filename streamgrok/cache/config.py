@@ -49,6 +49,9 @@ class CacheConfig:
     # keep or evict a frame's tokens together; None: on for models with a vision tower (the
     # engine decides), off otherwise
     frame_aware: bool | None = None
+    # frame-aware eviction with the frames' CLIP embeddings: a frame this similar to a newer
+    # cached one is evicted first
+    frame_repeat_similarity: float = 0.9
     h2o_decay: float = 0.999
     snapkv_window: int = 32
     snapkv_pool: int = 5

@@ -32,6 +32,7 @@ from streamgrok.cache.paged_cache import (
     SequenceState,
     demote_protected,
     evict_each,
+    forget_evicted_frames,
     limit_layer_protection,
     next_stream_rows,
     retained_media,
@@ -370,7 +371,8 @@ class KVParallelCache:
             positions = self._key_positions(seq_id, layer)
             if self.scorer.accumulates_attention:
                 self._gather_scores(seq_id, layer, positions)
-            view = LayerView(whole, functools.partial(self._gather_kv, seq_id, layer, positions))
+            view = LayerView(whole, functools.partial(self._gather_kv, seq_id, layer, positions),
+                             seq.frame_embeddings)
             keep = select_keep(view, budget, self.scorer, self.config)
             kept = torch.zeros(whole.length, dtype=torch.bool)
             kept[keep] = True
@@ -380,7 +382,15 @@ class KVParallelCache:
             whole.keep_only(keep)
             self.stats.evicted_by_layer[layer] += removed
             evicted += removed
+        if evicted:
+            forget_evicted_frames(seq)
         return evicted
+
+    def index_frame(self, seq_id: int, source: int, embedding: torch.Tensor) -> None:
+        """As `PagedKVCache.index_frame` (mirrored, so every rank chooses the same)."""
+        seq = self.sequences.get(seq_id)
+        if seq is not None:
+            seq.frame_embeddings[int(source)] = embedding.detach().float().cpu()
 
     def _mirror_protection(self, seq_id: int, layer: int) -> None:
         whole = self.sequences[seq_id].layers[layer]

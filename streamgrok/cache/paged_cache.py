@@ -49,6 +49,9 @@ class SequenceState:
     # parent session)
     budget_bonus: list[int] = field(default_factory=list)  # recalled tokens a layer may hold
     # beyond its budget
+    # unit CLIP embeddings of the frames still cached, by source: frame-aware eviction
+    # drops a frame a newer one repeats first (see policies.frame_novelty)
+    frame_embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -450,7 +453,8 @@ class PagedKVCache:
                 continue
             self.stats.demoted_tokens += demote_protected(rec, budget, seq.pinned,
                                                            self.config.sink_tokens)
-            view = LayerView(rec, lambda rec=rec: self.pool.read(rec.slots().to(self.device)))
+            view = LayerView(rec, lambda rec=rec: self.pool.read(rec.slots().to(self.device)),
+                             seq.frame_embeddings)
             keep = select_keep(view, budget, self.scorer, self.config)
             removed = rec.length - keep.numel()
             if self.tier is not None and seq.seq_id in self.tier.sequences:
@@ -458,7 +462,15 @@ class PagedKVCache:
             self.compact_layer(rec, keep)
             self.stats.evicted_by_layer[index] += removed
             evicted += removed
+        if evicted:
+            forget_evicted_frames(seq)
         return evicted
+
+    def index_frame(self, seq_id: int, source: int, embedding: torch.Tensor) -> None:
+        """Record a cached frame's CLIP embedding (its index) for frame-aware eviction."""
+        seq = self.sequences.get(seq_id)
+        if seq is not None:
+            seq.frame_embeddings[int(source)] = embedding.detach().float().cpu()
 
     def compact_layer(self, rec: LayerTokens, keep: torch.Tensor) -> None:
         """Move kept tokens to the front of the layer's pages on the device; free the emptied
@@ -601,6 +613,18 @@ def next_stream_rows(seq: SequenceState, info: TokenInfo) -> torch.Tensor:
     seq.next_group = int(group[-1]) + 1 if n else seq.next_group
     seq.last_frame_source = int(info.source[-1]) if n and bool(is_frame[-1]) else None
     return rows
+
+
+def forget_evicted_frames(seq: SequenceState) -> None:
+    """Drop the CLIP embeddings of frames no layer holds any more."""
+    if not seq.frame_embeddings:
+        return
+    held: set[int] = set()
+    for rec in seq.layers:
+        frames = rec.column(MODALITY) == int(Modality.FRAME)
+        held.update(rec.column(SOURCE)[frames].long().tolist())
+    for source in [s for s in seq.frame_embeddings if s not in held]:
+        del seq.frame_embeddings[source]
 
 
 def retained_media(rec: LayerTokens) -> list[dict]:

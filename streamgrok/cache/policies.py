@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from streamgrok.cache.config import CacheConfig
-from streamgrok.cache.tokens import GROUP, PROTECTED, STREAM, LayerTokens
+from streamgrok.cache.tokens import GROUP, MODALITY, PROTECTED, SOURCE, STREAM, LayerTokens
 from streamgrok.errors import CacheFullError
+from streamgrok.modality import Modality
 
 
 @dataclass
@@ -31,6 +32,8 @@ class LayerView:
 
     tokens: LayerTokens
     read_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # [n, kv_heads, head_dim] each
+    # unit CLIP embeddings of the sequence's frames by source (the frames' index), when known
+    frame_embeddings: dict[int, torch.Tensor] | None = None
 
 
 class Scorer(Protocol):
@@ -156,12 +159,39 @@ def select_keep(
     if room > 0 and not bool(keep.all()):
         token_score = scorer.score(view).double()
         group_score = torch.bincount(group, weights=token_score, minlength=num_groups) / sizes
+        if config.frame_aware and view.frame_embeddings and not isinstance(scorer,
+                                                                            RecencyScorer):
+            group_score = group_score * frame_novelty(tokens, group, num_groups,
+                                                      view.frame_embeddings,
+                                                      config.frame_repeat_similarity)
         group_score = group_score.masked_fill(keep, float("-inf"))
         order = torch.argsort(group_score, descending=True, stable=True)
         order = order[~keep[order]]
         fits = sizes[order].cumsum(0) <= room
         keep[order[fits]] = True
     return torch.nonzero(keep[group], as_tuple=False).flatten()
+
+
+def frame_novelty(tokens: LayerTokens, group: torch.Tensor, num_groups: int,
+                  embeddings: dict[int, torch.Tensor], repeat: float) -> torch.Tensor:
+    """A factor per group: a frame whose CLIP embedding a newer cached frame repeats (cosine
+    similarity >= `repeat`: the same static scene) says nothing the newer one does not, and
+    goes before every other group (factor 1e-3, which keeps their own order); the rest 1."""
+    factor = torch.ones(num_groups, dtype=torch.float64)
+    first = torch.zeros(num_groups, dtype=torch.int64)
+    first.scatter_reduce_(0, group, torch.arange(group.numel()), "amin", include_self=False)
+    is_frame = tokens.column(MODALITY)[first] == int(Modality.FRAME)
+    sources = tokens.column(SOURCE)[first].long()
+    frames = [g for g in torch.nonzero(is_frame).flatten().tolist()
+              if int(sources[g]) in embeddings]
+    if len(frames) < 2:
+        return factor
+    vectors = torch.stack([embeddings[int(sources[g])].float() for g in frames])
+    sim = vectors @ vectors.T
+    newer = torch.arange(len(frames))[None, :] > torch.arange(len(frames))[:, None]
+    repeated = sim.masked_fill(~newer, -1.0).amax(dim=1) >= repeat
+    factor[torch.tensor(frames)[repeated]] = 1e-3
+    return factor
 
 
 def _window(config: CacheConfig, budget: int) -> int:

@@ -26,7 +26,7 @@ from streamgrok.model.loader import LoadedModel
 log = logging.getLogger("streamgrok.kv_parallel")
 
 MIRRORED = ("add_sequence", "fork", "remove_sequence", "limit_protected", "reserve", "commit",
-            "rollback", "evict")
+            "rollback", "evict", "index_frame")
 STOP = ("stop",)
 
 

@@ -38,6 +38,7 @@ class AppendItem:
     done: int = 0  # tokens of this item already prefilled
     in_flight: bool = False  # part of the step being run (never dropped then)
     queued_at: float = field(default_factory=time.monotonic)
+    index_embedding: torch.Tensor | None = None  # the frame's CLIP embedding, when known
 
     def __len__(self) -> int:
         return self.token_ids.shape[0]

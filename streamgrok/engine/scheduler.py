@@ -254,6 +254,9 @@ class Scheduler:
         for item, n in span.items:
             item.done += n
             item.in_flight = False
+            if item.index_embedding is not None and item.remaining == 0:
+                self.cache.index_frame(span.seq_id, int(item.info.source[0]),
+                                       item.index_embedding)
         while isinstance(head := session.pending.head(), AppendItem) and head.remaining == 0:
             session.pending.pop_head()
         self.outputs.wake(session.notify_space)

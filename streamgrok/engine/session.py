@@ -157,11 +157,13 @@ class Session:
         source: int,
         modality: Modality = Modality.FRAME,
         droppable: bool = True,
+        index_embedding: torch.Tensor | None = None,
     ) -> int:
         """Queue embedding vectors [k, hidden] (frame tokens). Live frames are droppable:
         when the session's frame queue is full the oldest waiting frame is dropped, and a frame
-        not prefilled within the freshness bound is dropped. Returns how many frames were
-        dropped to make room."""
+        not prefilled within the freshness bound is dropped. `index_embedding` (the frame's
+        unit CLIP embedding) lets frame-aware eviction drop frames a newer one repeats first.
+        Returns how many frames were dropped to make room."""
         self._check_open()
         hidden = self._engine.model_config.hidden_size
         if vectors.ndim != 2 or vectors.shape[1] != hidden:
@@ -169,7 +171,7 @@ class Session:
         k = vectors.shape[0]
         info = TokenInfo.uniform(k, modality, timestamp, source, False)
         item = AppendItem(info, torch.zeros(k, dtype=torch.long), vectors.detach().cpu(),
-                          droppable)
+                          droppable, index_embedding=index_embedding)
         dropped = self._state.pending.put(item)  # counted by the queue, shown in snapshots
         self._engine.wake()
         return len(dropped)

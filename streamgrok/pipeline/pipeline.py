@@ -222,7 +222,8 @@ class PipelineRunner:
             if item.vectors.shape[0]:  # none when CLIP only indexes the frame
                 if not live:  # a file's frames are never dropped: wait for room instead
                     await session.wait_for_room(item.vectors.shape[0])
-                session.append_embeddings(item.vectors, item.pts, item.index, droppable=live)
+                session.append_embeddings(item.vectors, item.pts, item.index, droppable=live,
+                                          index_embedding=item.embedding)
             if item.embedding is not None:
                 self.frame_index.add(item.pts, item.index, item.embedding)
             self.stats.frame_tokens += item.vectors.shape[0]
