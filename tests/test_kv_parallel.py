@@ -55,11 +55,14 @@ def test_sharded_stream_gives_the_logits_of_one_process(world, policy):
     assert all(r.exchanged_bytes > 0 for r in results)
 
 
-def test_frame_aware_snapkv_over_three_ranks_matches_one_process():
-    plan = scenario("snapkv", 80, [[48], [64], [40], [64], [64]], decode=4, seed=7)
+@pytest.mark.parametrize("embeddings", [False, True])
+def test_frame_aware_snapkv_over_three_ranks_matches_one_process(embeddings):
+    plan = scenario("snapkv", 80, [[48], [64], [40], [64], [64], [40], [64], [48]], decode=4,
+                    seed=7)
     plan.cache_config = CacheConfig(policy="snapkv", budget_tokens=80, evict_slack_tokens=16,
                                     frame_aware=True, sink_tokens=2)
     plan.frames = True
+    plan.frame_embeddings = embeddings  # repeated frames go first, the same on every rank
     base = run_single(BUILD(), plan)
     assert base.evicted_tokens > 0
     assert_same(run_ranks(3, BUILD, plan, timeout_s=60), base)

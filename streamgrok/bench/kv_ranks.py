@@ -33,6 +33,7 @@ class StreamScenario:
     cache_config: CacheConfig
     num_pages: int = 4096
     frames: bool = False  # odd prefill steps are frames (one per step), step 0 starts protected
+    frame_embeddings: bool = False  # frames carry CLIP-like embeddings, pairs of them alike
 
 
 @dataclass
@@ -64,6 +65,9 @@ def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
         with torch.inference_mode():
             logits = model(torch.cat(ids).to(model.device), batch, cache)
         cache.commit()
+        if scenario.frame_embeddings and index is not None and index % 2:
+            for seq_id in counts:
+                cache.index_frame(seq_id, index, _frame_embedding(index))
         cache.evict()
         steps.append(logits.cpu())
         return logits
@@ -83,6 +87,12 @@ def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
         exchanged_bytes=getattr(cache, "exchanged_bytes", 0),
         decode_exchanged_bytes=getattr(cache, "exchanged_bytes", 0) - sent_before_decode,
     )
+
+
+def _frame_embedding(index: int) -> torch.Tensor:
+    """Frames 1 and 3 show one scene, 5 and 7 the next, and so on."""
+    gen = torch.Generator().manual_seed(index // 4)
+    return torch.nn.functional.normalize(torch.randn(16, generator=gen), dim=0)
 
 
 def _step_info(index: int, count: int) -> TokenInfo:
