@@ -205,6 +205,12 @@ async def test_a_server_on_a_vision_model_sees_pushed_frames(one_layer_vlm):
                     server.engine.vision.encoder.framing.before(0)
                     + server.engine.vision.encoder.framing.after()))) == 0
         assert server.engine.vision.stats.frames >= 1
+        assert server.engine.snapshot()["vision"]["frames"] >= 1
+        import urllib.request
+
+        exposition = await asyncio.to_thread(lambda: urllib.request.urlopen(
+            f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode())
+        assert "streamgrok_vision_frames_total" in exposition
     finally:
         await server.stop()
 

@@ -239,8 +239,11 @@ class Engine:
 
     def snapshot(self) -> dict:
         """Engine and cache numbers for metrics and the `stats` event: an immutable copy the
-        engine thread publishes after every round (never read live engine state)."""
-        return self._snapshot
+        engine thread publishes after every round (never read live engine state); with a
+        vision tower also `vision`, the frame batcher's counters."""
+        if self.vision is None:
+            return self._snapshot
+        return {**self._snapshot, "vision": self.vision.stats.as_dict()}
 
     def protected_limit(self) -> int | None:
         """Most protected tokens (system prompt, a question, a remembered turn) one session

@@ -405,6 +405,7 @@ class ClientConnection:
                    "layer_budget": engine.cache.budgets},
             "evicted_tokens": snap["evicted_tokens"],
             "host_tier": snap.get("host_tier"),
+            "vision": snap.get("vision"),
             "retained": info.get("retained", []),
             "drops": {"frames": sum(v for k, v in drops.items() if k.startswith("frames_")),
                       **drops},

@@ -109,6 +109,7 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("streamgrok_evicted_tokens", "Tokens evicted from the KV cache",
                                   value=snap["evicted_tokens"])
         yield from _tier_metrics(snap.get("host_tier"))
+        yield from _vision_metrics(snap.get("vision"))
         yield CounterMetricFamily("streamgrok_prefill_tokens", "Tokens prefilled",
                                   value=snap["prefill_tokens"])
         yield CounterMetricFamily("streamgrok_decode_tokens", "Tokens decoded",
@@ -122,6 +123,22 @@ class _EngineCollector(Collector):
         yield dropped
         yield GaugeMetricFamily("streamgrok_engine_sessions", "Engine sessions (live and "
                                 "one-shot HTTP requests)", value=snap["sessions"])
+
+
+def _vision_metrics(vision: dict | None) -> Iterator[CounterMetricFamily]:
+    """The vision tower's frame batcher (nothing for a text model)."""
+    if vision is None:
+        return
+    yield CounterMetricFamily("streamgrok_vision_frames", "Frames through the vision tower",
+                              value=vision["frames"])
+    yield CounterMetricFamily("streamgrok_vision_batches", "Vision tower forward passes",
+                              value=vision["batches"])
+    yield CounterMetricFamily("streamgrok_vision_errors", "Frames the vision tower failed on "
+                              "(dropped, with an error to their session)",
+                              value=vision["errors"])
+    yield CounterMetricFamily("streamgrok_vision_waits", "Frames that waited for room in the "
+                              "vision queue (full: the submitter waits, nothing is dropped)",
+                              value=vision["waited"])
 
 
 def _tier_metrics(tier: dict | None) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
