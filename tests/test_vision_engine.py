@@ -265,3 +265,51 @@ async def test_frame_search_without_clip_is_a_clear_error(one_layer_vlm):
         runner.start()
         with pytest.raises(StreamgrokError, match="needs CLIP"):
             await runner.search_frames("a red car")
+
+
+async def test_chat_completions_with_an_image_give_a_vision_model_the_image_tokens(
+        one_layer_vlm):
+    import base64
+
+    import cv2
+    from openai import AsyncOpenAI
+
+    from streamgrok.media.samples import photo
+    from streamgrok.server.app import ServerConfig, StreamgrokServer
+
+    config = ServerConfig("pipelines/live_qa.py", port=0, load_tick_s=None,
+                          pipeline_options={"transcribe": "false"}, max_completion_tokens=16)
+    server = StreamgrokServer(one_layer_vlm, config, CacheConfig(budget_tokens=512,
+                                                                 memory_gib=0.02))
+    await server.start()
+    try:
+        api = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x",
+                          max_retries=0, timeout=60)
+        ok, data = cv2.imencode(".jpg", cv2.cvtColor(photo("astronaut", 160, 120),
+                                                     cv2.COLOR_RGB2BGR))
+        url = "data:image/jpeg;base64," + base64.b64encode(data.tobytes()).decode()
+        question = [{"type": "text", "text": "What is this?"}]
+        plain = await api.chat.completions.create(
+            model=one_layer_vlm.name, max_tokens=2, temperature=0,
+            messages=[{"role": "user", "content": question}])
+        before = server.engine.vision.stats.frames
+        seen = await api.chat.completions.create(
+            model=one_layer_vlm.name, max_tokens=2, temperature=0,
+            messages=[{"role": "user", "content": question + [
+                {"type": "image_url", "image_url": {"url": url}}]}])
+        assert server.engine.vision.stats.frames == before + 1  # through the tower
+        framing = len(one_layer_vlm.tokenizer.encode(
+            server.engine.vision.encoder.framing.before_image()
+            + server.engine.vision.encoder.framing.after()))
+        assert seen.usage.prompt_tokens >= plain.usage.prompt_tokens + 16 + framing
+        bad = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
+        with pytest.raises(Exception, match="JPEG/PNG"):
+            await api.chat.completions.create(
+                model=one_layer_vlm.name, max_tokens=2,
+                messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": bad}}]}])
+        assert (await api.chat.completions.create(  # the server goes on
+            model=one_layer_vlm.name, max_tokens=2,
+            messages=[{"role": "user", "content": question}])).choices
+    finally:
+        await server.stop()

@@ -183,10 +183,11 @@ class Engine:
         sampling: SamplingParams | None,
         raw: bool,
         remember: bool,
+        add_bos: bool | None = None,
     ) -> Answer:
         sampling = sampling or SamplingParams()
         turn = question if raw else self.render_turn(session, "user", question, True)
-        prompt = self.tokenizer.encode(turn)
+        prompt = self.tokenizer.encode(turn, add_bos)
         self._check_protected_fits("the question", len(session.system_tokens) + len(prompt))
         self._require_loop()
         out: asyncio.Queue = asyncio.Queue(maxsize=sampling.max_tokens + 4)

@@ -182,14 +182,18 @@ class Session:
         sampling: SamplingParams | None = None,
         raw: bool = False,
         remember: bool = True,
+        add_bos: bool | None = None,
     ) -> Answer:
         """Ask about everything appended so far; the answer streams as it is generated.
 
         With `raw` the question is used as a plain completion prompt (no chat turn). With
-        `remember`, the question and answer join the session's context when done.
+        `remember`, the question and answer join the session's context when done. `add_bos`
+        overrides the tokenizer's own choice of a leading BOS (False when the question
+        continues text already appended).
         """
         self._check_open()
-        return self._engine.submit_question(self._state, question, sampling, raw, remember)
+        return self._engine.submit_question(self._state, question, sampling, raw, remember,
+                                            add_bos)
 
     def question_room(self) -> int | None:
         """How many tokens a question's text may have before it is refused as too large

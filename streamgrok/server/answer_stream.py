@@ -7,6 +7,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from streamgrok.engine import Engine
 from streamgrok.engine.session import Answer, Session
 from streamgrok.errors import RequestTooLarge, StreamgrokError
@@ -15,6 +17,7 @@ from streamgrok.pipeline.events import DeltaEvent, DoneEvent, ErrorEvent, Pipeli
 from streamgrok.server.openai_schema import ApiError
 from streamgrok.server.protocol import ProtocolError
 from streamgrok.server.stop_strings import StopScanner
+from streamgrok.stream_tokens import Modality
 
 if TYPE_CHECKING:
     from streamgrok.server.connection import ClientConnection
@@ -69,19 +72,25 @@ class EngineAnswer(AnswerStream):
     """A prompt (already in the chat template, or plain text) on its own engine session."""
 
     def __init__(self, engine: Engine, prompt: str, sampling: SamplingParams,
-                 stops: list[str]) -> None:
+                 stops: list[str], preamble: list[tuple[Modality, torch.Tensor]] = ()) -> None:
+        """`preamble`: embedding rows [n, hidden] that come before `prompt` (the text and
+        image parts of a chat with images, for a model with a vision tower)."""
         super().__init__(stops)
         try:
             self.session: Session | None = engine.new_session()
         except StreamgrokError as exc:
             raise ApiError(429, f"the server is busy: {exc}", "rate_limit_error") from exc
         try:
-            self.answer: Answer = self.session.ask(prompt, sampling, raw=True, remember=False)
+            for source, (modality, rows) in enumerate(preamble):
+                self.session.append_embeddings(rows, 0.0, source, modality, droppable=False)
+            self.answer: Answer = self.session.ask(prompt, sampling, raw=True, remember=False,
+                                                   add_bos=False if preamble else None)
         except RequestTooLarge as exc:
             session, self.session = self.session, None
             asyncio.ensure_future(session.close())
             raise ApiError(400, str(exc), code="context_length_exceeded") from exc
-        self.prompt_tokens = self.answer.metrics.prompt_tokens
+        self.prompt_tokens = (self.answer.metrics.prompt_tokens
+                              + sum(rows.shape[0] for _, rows in preamble))
 
     async def _deltas(self) -> AsyncIterator[str]:
         try:

@@ -1,5 +1,5 @@
-"""Images sent with a request (data URLs) become text the model reads: the offline observers'
-description of each picture (a model without a vision tower cannot take pixels)."""
+"""Images sent with a request (data URLs): decoded safely, and for a model without a vision
+tower turned into text it reads, the offline observers' description of each picture."""
 
 from __future__ import annotations
 
@@ -32,15 +32,20 @@ def image_bytes(url: str) -> bytes:
         raise ImageError(f"the image's base64 does not decode: {exc}") from None
 
 
-async def describe_image(resources: SharedResources, data: bytes, index: int) -> str:
-    """What the observers see in one JPEG/PNG (decoded in a media worker process)."""
-    pool = resources.media_pool
+async def decode_image(resources: SharedResources, data: bytes, index: int):
+    """One JPEG/PNG as RGB uint8 [H, W, 3], decoded in a media worker process (a decoder
+    crash cannot take the server down)."""
     try:
-        image = await asyncio.to_thread(pool.decode_image, data)
+        return await asyncio.to_thread(resources.media_pool.decode_image, data)
     except (ValueError, MediaWorkerError) as exc:
         raise ImageError(f"image {index + 1} is not a JPEG/PNG the server can decode: "
                          f"{exc}") from None
-    observer = FrameObserver(pool)
+
+
+async def describe_image(resources: SharedResources, data: bytes, index: int) -> str:
+    """What the observers see in one JPEG/PNG."""
+    image = await decode_image(resources, data, index)
+    observer = FrameObserver(resources.media_pool)
     note = await asyncio.to_thread(observer.observe, VideoFrame(image, 0.0, index))
     text = note.text.removeprefix("first view; ") if note else ""
     height, width = image.shape[:2]

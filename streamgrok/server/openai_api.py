@@ -9,16 +9,19 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+import torch
 from jinja2 import TemplateError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from streamgrok.errors import StreamgrokError
 from streamgrok.server.answer_stream import AnswerStream, EngineAnswer, LiveAnswer
-from streamgrok.server.image_notes import ImageError, describe_image, image_bytes
+from streamgrok.server.image_notes import ImageError, decode_image, describe_image, image_bytes
 from streamgrok.server.openai_schema import (
     ApiError,
     ChatMessage,
@@ -32,12 +35,17 @@ from streamgrok.server.openai_schema import (
     usage,
 )
 from streamgrok.server.protocol import ProtocolError, strict_json_object
+from streamgrok.stream_tokens import Modality
 
 if TYPE_CHECKING:
     from streamgrok.server.app import StreamgrokServer
 
 log = logging.getLogger(__name__)
 SESSION_HEADER = "x-streamgrok-session"
+# where an image goes in a rendered chat prompt (control characters no client text holds
+# after parsing, so the split is exact)
+IMAGE_MARKER = "\x1e{}\x1f"
+IMAGE_SPLIT = re.compile("\x1e(\\d+)\x1f")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -129,8 +137,13 @@ class OpenAIApi:
                            code="model_not_found")
 
     async def _chat_answer(self, chat: GenerationRequest, request: Request) -> AnswerStream:
+        engine = self.server.engine
+        live = self._live_session_id(chat, request) is not None
+        if engine.vision is not None and not live and any(
+                p.image_url is not None for m in chat.messages for p in m.parts):
+            return await self._seen_chat_answer(chat)
         messages = [await self._render_message(m, i) for i, m in enumerate(chat.messages)]
-        if self._live_session_id(chat, request) is not None:
+        if live:
             return self.answer(chat, messages[-1]["content"], request)
         try:
             prompt = self.server.engine.tokenizer.render_chat(messages)
@@ -138,6 +151,59 @@ class OpenAIApi:
             raise ApiError(400, f"the model's chat template refused the messages: {exc}",
                            param="messages") from exc
         return self.answer(chat, prompt, request, raw=True)
+
+    async def _seen_chat_answer(self, chat: GenerationRequest) -> AnswerStream:
+        """A chat with images for a model with a vision tower: the template rendered with a
+        marker where each image goes, the text between the markers as token embeddings and
+        each image as the tower's tokens in the model's own image framing."""
+        engine = self.server.engine
+        images: list[tuple[int, str]] = []
+        messages = []
+        for index, message in enumerate(chat.messages):
+            texts = []
+            for part in message.parts:
+                if part.image_url is None:  # the marker's characters never come from a client
+                    texts.append(part.text.replace("\x1e", " ").replace("\x1f", " "))
+                else:
+                    texts.append(IMAGE_MARKER.format(len(images)))
+                    images.append((index, part.image_url))
+            messages.append({"role": message.role, "content": "\n".join(texts)})
+        try:
+            prompt = engine.tokenizer.render_chat(messages)
+        except TemplateError as exc:
+            raise ApiError(400, f"the model's chat template refused the messages: {exc}",
+                           param="messages") from exc
+        pieces = IMAGE_SPLIT.split(prompt)  # text, image number, text, ..., text
+        if len(pieces) != 2 * len(images) + 1:
+            raise ApiError(400, "the model's chat template dropped or repeated an image",
+                           param="messages")
+        rows = []
+        for (index, url), number in zip(images, pieces[1::2]):
+            if int(number) != len(rows):
+                raise ApiError(400, "the chat template reordered the images",
+                               param="messages")
+            try:
+                image = await decode_image(self.server.resources, image_bytes(url), index)
+                rows.append(await engine.vision.encode(image, None))
+            except ImageError as exc:
+                raise ApiError(400, str(exc), param=f"messages[{index}].content") from None
+            except StreamgrokError as exc:
+                raise ApiError(400, f"image {len(rows) + 1}: {exc}",
+                               param=f"messages[{index}].content") from None
+        preamble: list[tuple[Modality, torch.Tensor]] = []
+        embed = engine.loaded.model.embed
+        for number, (text, image) in enumerate(zip(pieces[0:-1:2], rows)):
+            ids = engine.tokenizer.encode(text, add_bos=None if number == 0 else False)
+            if ids:
+                with torch.inference_mode():
+                    preamble.append((Modality.TEXT, embed(torch.tensor(
+                        ids, device=embed.weight.device)).float().cpu()))
+            preamble.append((Modality.FRAME, image))
+        refused = self.server.question_admission(chat.sampling.max_tokens)
+        if refused:
+            self.server.metrics.refused_questions.inc()
+            raise ApiError(429, refused, "rate_limit_error", code="busy")
+        return EngineAnswer(engine, pieces[-1], chat.sampling, chat.stops, preamble)
 
     async def _render_message(self, message: ChatMessage, index: int) -> dict:
         """A chat message as text: images become what the observers see in them."""

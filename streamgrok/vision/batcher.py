@@ -42,7 +42,7 @@ class FrameBatcherStats:
 @dataclass
 class _Request:
     image: np.ndarray
-    pts: float
+    pts: float | None
     done: concurrent.futures.Future
 
 
@@ -75,9 +75,9 @@ class FrameBatcher:
             self._thread.join()
             self._thread = None
 
-    async def encode(self, image: np.ndarray, pts: float) -> torch.Tensor:
+    async def encode(self, image: np.ndarray, pts: float | None) -> torch.Tensor:
         """The frame's rows [framing + image tokens, text hidden] (requests made before
-        `start` wait for it)."""
+        `start` wait for it); `pts` None frames a still image of a chat turn."""
         request = _Request(image, pts, concurrent.futures.Future())
         try:
             self._queue.put_nowait(request)

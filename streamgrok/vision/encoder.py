@@ -79,12 +79,14 @@ class VisionEncoder:
         return self.connector(self.features(pixels)).float().cpu()
 
     @torch.inference_mode()
-    def frame_rows(self, vectors: torch.Tensor, pts: float, tokenizer,
+    def frame_rows(self, vectors: torch.Tensor, pts: float | None, tokenizer,
                    embedding: nn.Embedding) -> torch.Tensor:
         """One frame's rows for the stream [framing + tokens_per_frame + framing, hidden]:
         the image vectors between the embeddings of the framing text's tokens (the same
-        values the model's own embedding lookup gives those ids)."""
-        before = tokenizer.encode(self.framing.before(pts), add_bos=False)
+        values the model's own embedding lookup gives those ids). `pts` None: a still
+        image of a chat turn (no time line)."""
+        head = self.framing.before_image() if pts is None else self.framing.before(pts)
+        before = tokenizer.encode(head, add_bos=False)
         after = tokenizer.encode(self.framing.after(), add_bos=False)
         ids = torch.tensor([*before, *after], dtype=torch.long, device=embedding.weight.device)
         text = embedding(ids).float().cpu()

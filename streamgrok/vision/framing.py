@@ -29,6 +29,10 @@ class FrameFraming:
         head = f"\nFrame from {clock(pts)}:"
         return head + FAKE_IMAGE + GLOBAL_IMAGE if self.family == "idefics3" else head + "\n"
 
+    def before_image(self) -> str:
+        """A still image in a chat turn (SmolVLM's single-image prompt, no time line)."""
+        return FAKE_IMAGE + GLOBAL_IMAGE if self.family == "idefics3" else ""
+
     def after(self) -> str:
         return FAKE_IMAGE if self.family == "idefics3" else "\n"
 
