@@ -40,15 +40,20 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-def print_progress(info: dict) -> None:
+def progress_line(info: dict) -> str:
+    """One plain progress line: every sampled frame is either used or dropped for a reason."""
     kv = info["kv_pages_used"] / max(1, info["kv_pages_total"])
-    sys.stderr.write(
-        f"  .. stream {info['stream_time']:6.1f} s | frames kept {info['frames_kept']} of "
-        f"{info['frames_sampled']} sampled, dropped {info['frames_dropped']} | notes "
-        f"{info['notes']} | KV {info['kv_pages_used']} pages ({kv:.1%}), evicted "
-        f"{info['evicted_tokens']}\n"
-    )
-    sys.stderr.flush()
+    drops = info.get("frame_drops") or {}
+    why = ", ".join(f"{n} {reason}" for reason, n in (
+        ("duplicates", drops.get("duplicate", 0)), ("too late", drops.get("stale", 0)),
+        ("queue full", drops.get("queue", 0))) if n)
+    sampled, dropped = info["frames_sampled"], info["frames_dropped"]
+    frames = f"{sampled} frames sampled: {max(0, sampled - dropped)} used"
+    if dropped:
+        frames += f", {dropped} dropped ({why})" if why else f", {dropped} dropped"
+    return (f"  .. stream {info['stream_time']:6.1f} s | {frames} | {info['notes']} notes | "
+            f"KV {info['kv_pages_used']} pages in use ({kv:.1%}), "
+            f"{info['evicted_tokens']} tokens evicted")
 
 
 async def run_pipeline_file(
@@ -91,13 +96,15 @@ async def _run_pipeline(
     jsonl: str | None,
     show_notes: bool,
 ) -> int:
-    sinks: list = [StdoutSink(notes=show_notes)]
+    stdout = StdoutSink(notes=show_notes)
+    sinks: list = [stdout]
     if jsonl:
         sinks.append(JsonLinesSink(jsonl))
     end = float("inf")
     triggers = [At(q, seconds=end if at is None else at) for at, q in asks]
     async with Engine(loaded, cache) as engine:
-        runner = PipelineRunner(pipeline, engine, sinks, progress=print_progress,
+        runner = PipelineRunner(pipeline, engine, sinks,
+                                progress=lambda info: stdout.progress(progress_line(info)),
                                 resources=resources)
         runner.start()
         print(f"pipeline {pipeline.name} on {source} "

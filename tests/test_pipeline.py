@@ -248,3 +248,28 @@ def test_frame_encoders_are_loaded_once_per_process_not_per_session(monkeypatch)
     assert all(pair == first[0] for pair in first)
     options_module.frame_encoders(dict(server_options))  # no resources: a load of its own
     assert len(loads) == 4
+
+
+async def test_run_output_labels_questions_and_keeps_progress_out_of_answer_lines():
+    import io
+
+    from streamgrok.pipeline.events import DeltaEvent, DoneEvent, QuestionEvent
+    from streamgrok.pipeline.sinks import StdoutSink
+    from streamgrok.run import progress_line
+
+    out = io.StringIO()
+    sink = StdoutSink(out, progress_stream=out)
+    await sink.send(QuestionEvent("answer", 3, "who?", 1.0))
+    await sink.send(DeltaEvent("answer", 3, "A pers", None))
+    sink.progress("  .. progress")  # mid-answer: held until the answer's line ends
+    await sink.send(DeltaEvent("answer", 3, "on.", None))
+    await sink.send(DoneEvent("answer", 3, "A person.", None, metrics={"tokens": 2}))
+    lines = out.getvalue().splitlines()
+    assert "Q #3: who?" in lines[0]
+    assert lines[1] == "  > #3 A person."
+    assert lines[2] == "  .. progress" and lines[3].startswith("  (#3: 2 tokens")
+    info = {"stream_time": 4.2, "frames_sampled": 8, "frames_dropped": 5, "notes": 2,
+            "frame_drops": {"duplicate": 4, "stale": 1, "queue": 0}, "kv_pages_used": 3,
+            "kv_pages_total": 100, "evicted_tokens": 0}
+    line = progress_line(info)
+    assert "8 frames sampled: 3 used, 5 dropped (4 duplicates, 1 too late)" in line

@@ -295,6 +295,7 @@ class PipelineRunner:
             "frames_sampled": ingest.sampled_frames if ingest else 0,
             "frames_kept": ingest.kept_frames if ingest else 0,
             "frames_dropped": ingest.dropped_frames if ingest else 0,
+            "frame_drops": ingest.drops() if ingest else {},
             "notes": self.stats.notes,
             "kv_pages_used": snap["kv_pages_used"],
             "kv_pages_total": snap["kv_pages_total"],

@@ -23,11 +23,14 @@ class StdoutSink:
     whole, in order, when the live one ends, so their text never interleaves.
     """
 
-    def __init__(self, stream: TextIO = sys.stdout, notes: bool = True) -> None:
+    def __init__(self, stream: TextIO = sys.stdout, notes: bool = True,
+                 progress_stream: TextIO | None = None) -> None:
         self.stream = stream
         self.notes = notes
+        self.progress_stream = progress_stream or sys.stderr
         self._live: int | None = None
         self._line_open = False
+        self._held_progress: str | None = None
         self._waiting: dict[int, list[DeltaEvent | DoneEvent]] = {}
 
     async def send(self, event: PipelineEvent) -> None:
@@ -44,7 +47,8 @@ class StdoutSink:
             case QuestionEvent():
                 self._end_line()
                 label = "ALERT" if event.purpose == "alert" else "Q"
-                self._write(event.line().replace(f"{event.kind}:", f"{label}:") + "\n")
+                self._write(event.line().replace(f"{event.kind}:",
+                                                 f"{label} #{event.answer_id}:") + "\n")
             case NoteEvent() if not self.notes:
                 pass
             case _:
@@ -81,10 +85,23 @@ class StdoutSink:
                 return  # it goes on streaming live
             self._live = None
 
+    def progress(self, line: str) -> None:
+        """A progress line; one that comes while an answer streams waits for its line to
+        end (only the latest is kept), so it never splits an answer."""
+        if self._line_open:
+            self._held_progress = line
+            return
+        self.progress_stream.write(line + "\n")
+        self.progress_stream.flush()
+
     def _end_line(self) -> None:
         if self._line_open:
             self._write("\n")
             self._line_open = False
+            self.stream.flush()
+            held, self._held_progress = self._held_progress, None
+            if held is not None:
+                self.progress(held)
 
     def _write(self, text: str) -> None:
         self.stream.write(text)
