@@ -99,15 +99,45 @@ async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp
         tools = await DevTools.open(f"ws://127.0.0.1:{port}{path}")
         await tools.wait_for("document.readyState === 'complete' && "
                              "document.getElementById('status').textContent.startsWith('session')")
+        assert "legend" in await tools.js(
+            "document.getElementById('timeline-legend').className")
+        padding = await tools.js("parseFloat(getComputedStyle(document.getElementById("
+                                 "'events')).paddingLeft)")
+        assert padding >= 30  # room for three-digit event numbers
+        # a question before Start: answered from an empty context, and it says so
+        await tools.js("document.getElementById('question').value = 'Anyone there?';"
+                       "document.getElementById('ask').requestSubmit()")
+        notice = await tools.wait_for(
+            "(() => { const b = document.querySelector('.qa[data-id=\"q1\"]');"
+            " return b && b.dataset.done && b.querySelector('.n').textContent; })()")
+        assert "before the camera started" in notice
         await tools.js("document.getElementById('start').click()")
         await tools.wait_for("document.getElementById('camera').videoWidth > 0")
+        assert await tools.js("!document.getElementById('stop').disabled && "
+                              "!document.getElementById('mute').disabled")
+        await tools.wait_for("document.getElementById('clock').textContent !== '--:--'")
         await asyncio.sleep(3)  # a few frames and some audio go up
         await tools.js("document.getElementById('question').value = 'What do you see?';"
                        "document.getElementById('ask').requestSubmit()")
         answer = await tools.wait_for(
-            "(() => { const b = document.querySelector('.qa[data-done]');"
+            "(() => { const b = document.querySelector('.qa[data-id=\"q2\"][data-done]');"
             " return b && b.querySelector('.m').textContent; })()")
         assert "tokens" in answer and "first token" in answer
+        assert await tools.js("document.querySelector('.qa[data-thinking]') === null")
+        assert await tools.js("(() => { const a = document.getElementById('answers');"
+                              " return a.scrollTop + a.clientHeight >= a.scrollHeight - 2; })()")
+        # the server drops the connection: the page says so, keeps a question typed
+        # meanwhile, reconnects and sends it
+        for connection in list(server.connections):
+            await connection.ws.close(1012, "restart")
+        await tools.wait_for("document.getElementById('status').textContent"
+                             ".includes('reconnecting')")
+        await tools.js("document.getElementById('question').value = 'Still there?';"
+                       "document.getElementById('ask').requestSubmit()")
+        await tools.wait_for(
+            "(() => { const b = document.querySelector('.qa[data-id=\"q3\"][data-done]');"
+            " return b && b.querySelector('.m').textContent; })()", seconds=90)
+        assert "reconnected" in await tools.js("document.getElementById('events').textContent")
         await tools.wait_for("document.getElementById('kv').textContent.includes('pages')")
         frames_in = server.engine.snapshot()
         assert frames_in["prefill_tokens"] > 0
@@ -116,6 +146,9 @@ async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp
         target = ARTIFACTS / "assistant.png"
         target.write_bytes(base64.b64decode(shot["data"]))
         assert target.stat().st_size > 10_000
+        await tools.js("document.getElementById('stop').click()")
+        assert await tools.js("document.getElementById('camera').srcObject === null && "
+                              "!document.getElementById('start').disabled")
         await tools.ws.close()
     finally:
         browser.terminate()

@@ -9,6 +9,8 @@ const wsUrl = `${location.protocol === "https:" ? "wss" : "ws"}://${location.hos
   (token ? `?token=${encodeURIComponent(token)}` : "");
 let ws, started = false, t0 = performance.now(), queryCount = 0, frameTimer = null;
 let audioRate = 0; // the microphone's sample rate once audio runs (told to the server)
+let camera = null, muted = false, retries = 0, clockTimer = null, sessions = 0;
+const outbox = []; // questions typed while disconnected: sent once a session is back
 
 function streamTime() { return (performance.now() - t0) / 1000; }
 
@@ -27,28 +29,55 @@ function connect() {
   ws = new WebSocket(wsUrl);
   ws.binaryType = "arraybuffer";
   ws.onopen = () => {
+    retries = 0;
     $("status").textContent = "connected";
     ws.send(JSON.stringify({ type: "session.start", id: "start" }));
     if (audioRate) ws.send(JSON.stringify({ type: "audio.format", rate: audioRate }));
   };
-  ws.onclose = () => { $("status").textContent = "disconnected"; started = false; };
+  ws.onclose = () => {
+    started = false;
+    const wait = Math.min(10, 2 ** retries++);
+    $("status").textContent = `disconnected · reconnecting in ${wait} s` +
+      (outbox.length ? ` · ${outbox.length} question(s) waiting` : "");
+    $("status").className = "down";
+    setTimeout(connect, wait * 1000);
+  };
   ws.onmessage = (msg) => handle(JSON.parse(msg.data));
+}
+
+function sendQuestion(id, text) {
+  ws.send(JSON.stringify({ type: "query", id, text }));
 }
 
 function handle(m) {
   switch (m.type) {
     case "session.started":
       started = true;
+      $("status").className = "";
       $("status").textContent = `session ${m.session_id} · ${m.pipeline} · ${m.model} · ` +
         visionLabel(m.vision);
+      if (sessions++) addEvent("reconnected: a new session (what the old one saw is gone)", "info");
+      while (outbox.length) {
+        const [id, text] = outbox.shift();
+        answerBox(id).querySelector(".n").textContent = "";
+        sendQuestion(id, text);
+      }
       break;
-    case "response.delta": answerBox(m.query_id).querySelector(".a").textContent += m.delta; break;
+    case "response.delta": {
+      const box = answerBox(m.query_id);
+      delete box.dataset.thinking;
+      box.querySelector(".a").textContent += m.delta;
+      follow();
+      break;
+    }
     case "response.done": {
       const box = answerBox(m.query_id);
+      delete box.dataset.thinking;
       box.querySelector(".a").textContent = m.text;
       box.querySelector(".m").textContent =
         `${m.tokens} tokens · first token ${m.ttft_ms} ms · ${m.tbt_ms_mean} ms/token · ${m.finish_reason}`;
       box.dataset.done = "1";
+      follow();
       break;
     }
     case "event": addEvent(`[${fmt(m.t)}] ${m.kind}: ${m.text}`, m.kind); break;
@@ -63,6 +92,11 @@ function visionLabel(v) {
   return `sees: frames (CLIP + projector, ${v.tokens_per_frame} tokens/frame)`;
 }
 
+function follow() { // keep the newest answer in view
+  const list = $("answers");
+  list.scrollTop = list.scrollHeight;
+}
+
 function fmt(t) {
   if (t === null || t === undefined) return "--:--";
   const s = Math.floor(t); return `${String(Math.floor(s / 60)).padStart(2, "0")}:${String(s % 60).padStart(2, "0")}`;
@@ -73,7 +107,8 @@ function answerBox(id) {
   if (!box) {
     box = document.createElement("div");
     box.className = "qa"; box.dataset.id = id;
-    box.innerHTML = '<div class="q"></div><div class="a"></div><div class="m"></div>';
+    box.innerHTML = '<div class="q"></div><div class="n"></div><div class="a"></div>' +
+      '<div class="m"></div>';
     box.querySelector(".q").textContent = `(${id})`;
     $("answers").appendChild(box);
   }
@@ -124,6 +159,10 @@ function showStats(s) {
 
 async function startMedia() {
   const stream = await navigator.mediaDevices.getUserMedia({ video: { width: 640 }, audio: true });
+  camera = stream;
+  t0 = performance.now(); // stream time counts from Start
+  clearInterval(clockTimer);
+  clockTimer = setInterval(() => { $("clock").textContent = fmt(streamTime()); }, 500);
   $("camera").srcObject = stream;
   const canvas = $("grab"), ctx = canvas.getContext("2d");
   const sendFrame = () => {
@@ -140,6 +179,18 @@ async function startMedia() {
   $("fps").onchange = restart; restart();
   if (stream.getAudioTracks().length) await startAudio(stream);
   $("start").disabled = true;
+  $("stop").disabled = false;
+  $("mute").disabled = !stream.getAudioTracks().length;
+}
+
+function stopMedia() {
+  clearInterval(frameTimer); frameTimer = null;
+  clearInterval(clockTimer); clockTimer = null;
+  if (camera) camera.getTracks().forEach((t) => t.stop());
+  camera = null;
+  $("camera").srcObject = null;
+  $("start").disabled = false; $("stop").disabled = true; $("mute").disabled = true;
+  addEvent("camera and microphone stopped", "info");
 }
 
 async function startAudio(stream) {
@@ -164,19 +215,35 @@ async function startAudio(stream) {
     const total = e.data.reduce((a, b) => a + b.length, 0), pcm = new Int16Array(total);
     let i = 0;
     for (const block of e.data) for (const x of block) pcm[i++] = Math.max(-1, Math.min(1, x)) * 32767;
-    if (started) media(KIND.audio, pcm.buffer);
+    if (started && !muted && camera) media(KIND.audio, pcm.buffer);
   };
   ac.createMediaStreamSource(stream).connect(node);
 }
 
 $("start").onclick = () => startMedia().catch((err) => addEvent(`media: ${err}`, "error"));
+$("stop").onclick = stopMedia;
+$("mute").onclick = () => {
+  muted = !muted;
+  $("mute").textContent = muted ? "Unmute" : "Mute";
+};
 $("ask").onsubmit = (e) => {
   e.preventDefault();
   const text = $("question").value.trim();
-  if (!text || !started) return;
+  if (!text) return;
   const id = `q${++queryCount}`;
-  answerBox(id).querySelector(".q").textContent = text;
-  ws.send(JSON.stringify({ type: "query", id, text }));
+  const box = answerBox(id);
+  box.querySelector(".q").textContent = text;
+  box.dataset.thinking = "1"; // until the first token
+  if (!camera) {
+    box.querySelector(".n").textContent =
+      "asked before the camera started: the answer knows only what was typed";
+  }
+  if (started) sendQuestion(id, text);
+  else {
+    outbox.push([id, text]);
+    box.querySelector(".n").textContent = "not connected: sent when the server is back";
+  }
   $("question").value = "";
+  follow();
 };
 connect();
