@@ -187,7 +187,7 @@ def test_counting_questions_get_the_totals():
                  (6.0, "1 face appeared (1 in view)", {"face"}),
                  (8.0, "scene cut: a different scene; 1 face left (none in view)", {"cut"}))
     prompt = grounded_prompt("How many scene cuts were there?", log)
-    assert "2 scene cuts" in prompt and "at most 1 faces in view" in prompt
+    assert "2 scene cuts" in prompt and "at most 1 face in view" in prompt
 
 
 def test_a_grounded_prompt_leaves_out_the_oldest_notes_to_fit_its_room():

@@ -18,6 +18,7 @@ from streamgrok.media.colours import colour_name
 WIDTH, HEIGHT = 160, 120  # analysis size
 MIN_AREA = 0.003  # of the frame
 GHOST_DISTANCE = 40.0  # RGB distance under which a blob looks like its surroundings
+SAME_OBJECT_RGB = 90.0  # RGB distance past which a blob is another object, however close
 
 
 @dataclass
@@ -26,6 +27,7 @@ class Blob:
     y: float
     area: float  # 0..1 of the frame
     colour: str
+    rgb: np.ndarray | None = None  # the median colour the name came from
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Track:
     missed: int = 0
     reported: bool = False
     direction: str | None = None
+    rgb: np.ndarray | None = None
 
     def describe(self) -> str:
         return f"a {size_word(self.area)} {self.colour} object"
@@ -90,7 +93,7 @@ class MotionTracker:
                     < GHOST_DISTANCE:
                 continue
             x, y = centroids[label]
-            found.append(Blob(x / WIDTH, y / HEIGHT, area, colour_name(colour)))
+            found.append(Blob(x / WIDTH, y / HEIGHT, area, colour_name(colour), colour))
         return found
 
     def _update(self, blobs: list[Blob]) -> list[str]:
@@ -102,7 +105,7 @@ class MotionTracker:
                 track.missed += 1
                 continue
             unmatched.remove(match)
-            track.x, track.y, track.area = match.x, match.y, match.area
+            track.x, track.y, track.area, track.rgb = match.x, match.y, match.area, match.rgb
             track.seen += 1
             track.missed = 0
             events += self._progress(track)
@@ -112,12 +115,16 @@ class MotionTracker:
                 heading = f", {track.direction}" if track.direction else ""
                 events.append(f"the {track.colour} object left{heading}")
         for blob in unmatched:
-            self.tracks.append(Track(blob.colour, blob.x, blob.y, blob.x, blob.y, blob.area))
+            self.tracks.append(Track(blob.colour, blob.x, blob.y, blob.x, blob.y, blob.area,
+                                     rgb=blob.rgb))
         return events
 
     def _closest(self, track: Track, blobs: list[Blob]) -> Blob | None:
         def distance(blob: Blob) -> float:
-            colour_penalty = 0.0 if blob.colour == track.colour else 0.3
+            if track.rgb is not None and blob.rgb is not None and float(
+                    np.linalg.norm(blob.rgb - track.rgb)) > SAME_OBJECT_RGB:
+                return float("inf")  # another colour altogether: another object
+            colour_penalty = 0.0 if blob.colour == track.colour else 0.1
             return float(np.hypot(blob.x - track.x, blob.y - track.y)) + colour_penalty
 
         near = [b for b in blobs if distance(b) < 0.5]

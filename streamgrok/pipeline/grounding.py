@@ -3,9 +3,10 @@
 A small model answers from what sits next to the question far better than from notes spread
 over thousands of tokens of context. `NoteLog` keeps a session's notes (bounded: the oldest
 go first); `grounded_prompt` picks the notes that share words or a topic with the question
-(what was said, who was seen, text, colours, motion, cuts), always the latest few, and says
-plainly when nothing was seen or heard of what the question asks, so the model has a true
-answer to give instead of an invented one.
+(what was said, who was seen, text, colours, motion, cuts), always the latest few, the most
+relevant nearest the question, adds the times of what a "when" question asks about and the
+totals a "how many" question needs, and says plainly when nothing was seen or heard of what
+the question asks, so the model has a true answer to give instead of an invented one.
 """
 
 from __future__ import annotations
@@ -46,11 +47,18 @@ TOPICS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
                          "crossed ball object objects left right".split()),
                frozenset({"motion"}), "no moving object was seen"),
     "change": (frozenset("cut cuts scene scenes change changed changes switch switched happen "
-                         "happened events".split()),
+                         "happened events appear appeared appears disappear disappeared "
+                         "disappears gone vanish vanished".split()),
                frozenset({"cut"}), "no scene change was seen"),
 }
 RECENT = 1  # the latest notes always go in: "what is happening now"
 PLURAL = {one: many for _, one, many, _ in COUNTED} | {many: many for _, _, many, _ in COUNTED}
+SINGULAR = {many: one for _, one, many, _ in COUNTED}
+# what a "when" question's time line calls each topic's notes
+TIMED = {"change": "scene cuts", "people": "people or faces came or went",
+         "cat": "cats came or went", "text": "text on screen changed",
+         "motion": "moving objects noted", "speech": "speech heard"}
+WHEN = re.compile(r"^\s*(when|at what time|what time)\b|\bhow long\b", re.I)
 IN_VIEW = re.compile(r"\d+ (" + "|".join(sorted(PLURAL, key=len, reverse=True)) + r") "
                      r"(?:appeared|left) \((\d+|none) in view\)")  # observers.count_change
 
@@ -85,22 +93,40 @@ def topics_of(question: str) -> list[str]:
 
 
 def relevant_notes(question: str, log: NoteLog, limit: int = 6) -> list[LoggedNote]:
-    """The notes that bear on `question`, in stream order: by topic and shared words, plus
-    the latest few."""
+    """The notes that bear on `question`: by topic and shared words, plus the latest few;
+    the most relevant last, next to the question (a small model answers from what is
+    nearest), equally relevant ones in stream order."""
     asked, topics = words(question), topics_of(question)
     wanted_tags = set().union(*(TOPICS[t][1] for t in topics))
     notes = list(log.notes)
-    scored = []
+    score = {}
     for index, note in enumerate(notes):
-        score = 2.0 * bool(note.tags & wanted_tags) + len(asked & words(note.text))
-        if score > 0:
-            scored.append((score, index))
-    scored.sort(key=lambda pair: (-pair[0], -pair[1]))
-    chosen = {index for _, index in scored[:limit]}
+        value = 2.0 * bool(note.tags & wanted_tags) + len(asked & words(note.text))
+        if value > 0:
+            score[index] = value
+    ranked = sorted(score, key=lambda i: (-score[i], -i))
+    chosen = set(ranked[:limit])
     if not topics or "change" in topics:  # "what happened?": the whole recent story
         chosen |= set(range(max(0, len(notes) - limit), len(notes)))
     chosen |= set(range(max(0, len(notes) - RECENT), len(notes)))
-    return [notes[i] for i in sorted(chosen)][-limit * 2:]
+    kept = sorted(chosen)[-limit * 2:]
+    return [notes[i] for i in sorted(kept, key=lambda i: (score.get(i, 0.0), i))]
+
+
+def timeline(question: str, log: NoteLog) -> str | None:
+    """For a "when" question: the times of the notes on what it asks about, first to last."""
+    if not WHEN.search(question):
+        return None
+    parts = []
+    for topic in topics_of(question):
+        if topic not in TIMED:
+            continue
+        times = sorted({round(n.pts) for n in log.notes if n.tags & TOPICS[topic][1]})
+        if times:
+            when = ", ".join(str(t) for t in times[:8])
+            first = f" (first at {times[0]} seconds)" if len(times) > 1 else ""
+            parts.append(f"{TIMED[topic]} at {when} seconds{first}")
+    return "; ".join(parts) or None
 
 
 def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
@@ -113,23 +139,26 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
     missing = [TOPICS[t][2] for t in topics_of(question)
                if not any(n.tags & TOPICS[t][1] for n in log.notes)]
     totals = counts(log) if "how many" in question.lower() else None
-    prompt = _layout(question, notes, missing, totals)
+    times = timeline(question, log)
+    prompt = _layout(question, notes, missing, totals, times)
     if room is None or count is None:
         return prompt
-    while notes and count(prompt) > room:
+    while notes and count(prompt) > room:  # the least relevant go first
         notes = notes[1:]
-        prompt = _layout(question, notes, missing, totals)
+        prompt = _layout(question, notes, missing, totals, times)
     return prompt if count(prompt) <= room else question
 
 
 def _layout(question: str, notes: list[LoggedNote], missing: list[str],
-            totals: str | None) -> str:
+            totals: str | None, times: str | None = None) -> str:
     lines = ["Notes (time, what was seen or heard):"]
     lines += [note.line() for note in notes] or ["- nothing yet"]
     if missing:
         lines.append("- never: " + "; ".join(missing))
     if totals:
         lines.append("- in all: " + totals)
+    if times:
+        lines.append("- times: " + times)
     lines.append("")
     lines.append(f"Using only these notes, answer in one short sentence: {question}")
     return "\n".join(lines)
@@ -148,5 +177,6 @@ def counts(log: NoteLog) -> str:
     parts = [f"{cuts} scene cut{'s' if cuts != 1 else ''}",
              f"{movers} moving object{'s' if movers != 1 else ''} appeared",
              f"{said} sentence{'s' if said != 1 else ''} said"]
-    parts += [f"at most {n} {kind} in view at once" for kind, n in sorted(most.items())]
+    parts += [f"at most {n} {SINGULAR.get(kind, kind) if n == 1 else kind} in view at once"
+              for kind, n in sorted(most.items())]
     return "; ".join(parts)
