@@ -200,3 +200,30 @@ def test_a_grounded_prompt_leaves_out_the_oldest_notes_to_fit_its_room():
     assert chosen[-1].text in fitted and chosen[0].text not in fitted
     assert fitted.rstrip().endswith("What was said?")
     assert grounded_prompt("What was said?", log, room=20, count=len) == "What was said?"
+
+
+def test_a_yes_no_question_about_what_was_never_noted_starts_with_no():
+    from streamgrok.pipeline.grounding import answer_stem
+
+    log = log_of((1.0, "1 face appeared (1 in view)", {"face"}),
+                 (3.0, 'said: "hello"', {"transcript"}))
+    assert answer_stem("Was a cat seen?", log) == "No"
+    assert answer_stem("Was any text shown on screen?", log) == "No"
+    assert answer_stem("Was there a person on screen?", log) == ""  # one was noted
+    assert answer_stem("Did anyone speak?", log) == ""
+    assert answer_stem("Who was on screen?", log) == ""  # not a yes/no question
+    assert answer_stem("Did the scene change?", log) == ""  # cuts are not "never noted"
+
+
+async def test_an_answer_prefix_is_the_answers_first_words(tiny_loaded):
+    from streamgrok.cache.config import CacheConfig
+    from streamgrok.engine import Engine, EngineConfig
+    from streamgrok.model.sampling import SamplingParams
+
+    async with Engine(tiny_loaded, CacheConfig(budget_tokens=256, memory_gib=0.02),
+                      EngineConfig(merge_window_s=0)) as engine:
+        session = engine.new_session("sys")
+        answer = session.ask("was it there?", SamplingParams(max_tokens=3),
+                             answer_prefix="No")
+        deltas = [d async for d in answer]
+    assert deltas[0] == "No" and "".join(deltas).startswith("No")

@@ -31,6 +31,7 @@ from streamgrok.engine.pending import AppendItem, PendingQueue, QuestionMarker
 from streamgrok.engine.runner import ModelRunner, StepThreads
 from streamgrok.engine.scheduler import Scheduler
 from streamgrok.engine.session import Answer, Session
+from streamgrok.engine.events import AnswerDelta
 from streamgrok.engine.state import AnswerState, SessionState
 from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.model.detokenizer import IncrementalDetokenizer
@@ -184,9 +185,11 @@ class Engine:
         raw: bool,
         remember: bool,
         add_bos: bool | None = None,
+        answer_prefix: str = "",
     ) -> Answer:
         sampling = sampling or SamplingParams()
         turn = question if raw else self.render_turn(session, "user", question, True)
+        turn += answer_prefix  # the answer's first words, given: the model goes on from them
         prompt = self.tokenizer.encode(turn, add_bos)
         self._check_protected_fits("the question", len(session.system_tokens) + len(prompt))
         self._require_loop()
@@ -206,6 +209,8 @@ class Engine:
         )
         state.metrics.prompt_tokens = len(prompt)
         state.metrics.asked_step = self._snapshot["steps"]
+        if answer_prefix:
+            out.put_nowait(AnswerDelta(answer_prefix))
         session.pending.put(QuestionMarker(state))
         self.wake()
         return Answer(state, out, self)

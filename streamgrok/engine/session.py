@@ -183,17 +183,19 @@ class Session:
         raw: bool = False,
         remember: bool = True,
         add_bos: bool | None = None,
+        answer_prefix: str = "",
     ) -> Answer:
         """Ask about everything appended so far; the answer streams as it is generated.
 
         With `raw` the question is used as a plain completion prompt (no chat turn). With
         `remember`, the question and answer join the session's context when done. `add_bos`
         overrides the tokenizer's own choice of a leading BOS (False when the question
-        continues text already appended).
+        continues text already appended). `answer_prefix` is the answer's given start: it is
+        the first delta, and the model continues from it.
         """
         self._check_open()
         return self._engine.submit_question(self._state, question, sampling, raw, remember,
-                                            add_bos)
+                                            add_bos, answer_prefix)
 
     def question_room(self) -> int | None:
         """How many tokens a question's text may have before it is refused as too large

@@ -58,6 +58,7 @@ SINGULAR = {many: one for _, one, many, _ in COUNTED}
 TIMED = {"change": "scene cuts", "people": "people or faces came or went",
          "cat": "cats came or went", "text": "text on screen changed",
          "motion": "moving objects noted", "speech": "speech heard"}
+YES_NO = re.compile(r"^\s*(was|were|is|are|did|does|do|has|have|had|can|could)\b", re.I)
 WHEN = re.compile(r"^\s*(when|at what time|what time)\b|\bhow long\b", re.I)
 IN_VIEW = re.compile(r"\d+ (" + "|".join(sorted(PLURAL, key=len, reverse=True)) + r") "
                      r"(?:appeared|left) \((\d+|none) in view\)")  # observers.count_change
@@ -93,8 +94,8 @@ def topics_of(question: str) -> list[str]:
 
 
 def relevant_notes(question: str, log: NoteLog, limit: int = 6) -> list[LoggedNote]:
-    """The notes that bear on `question`: by topic and shared words, plus the latest few;
-    the most relevant last, next to the question (a small model answers from what is
+    """The notes that bear on `question`: by topic and shared words (the latest one when
+    none does, the recent story for what happened); the most relevant last, next to the question (a small model answers from what is
     nearest), equally relevant ones in stream order."""
     asked, topics = words(question), topics_of(question)
     wanted_tags = set().union(*(TOPICS[t][1] for t in topics))
@@ -108,9 +109,22 @@ def relevant_notes(question: str, log: NoteLog, limit: int = 6) -> list[LoggedNo
     chosen = set(ranked[:limit])
     if not topics or "change" in topics:  # "what happened?": the whole recent story
         chosen |= set(range(max(0, len(notes) - limit), len(notes)))
-    chosen |= set(range(max(0, len(notes) - RECENT), len(notes)))
+    if not chosen:  # nothing bears on it: what is happening now (a note on another topic
+        # would only distract from the ones that answer)
+        chosen |= set(range(max(0, len(notes) - RECENT), len(notes)))
     kept = sorted(chosen)[-limit * 2:]
     return [notes[i] for i in sorted(kept, key=lambda i: (score.get(i, 0.0), i))]
+
+
+def answer_stem(question: str, log: NoteLog) -> str:
+    """How the answer must begin: "No" for a yes/no question about something the observers
+    never noted (a person, a cat, text, motion, speech), else nothing; the model words the
+    rest. A small model otherwise answers "a cat was seen" beside "never: no cat was seen"."""
+    topics = [t for t in topics_of(question) if t in TIMED and t != "change"]
+    if not topics or not YES_NO.search(question):
+        return ""
+    never = all(not any(n.tags & TOPICS[t][1] for n in log.notes) for t in topics)
+    return "No" if never else ""
 
 
 def timeline(question: str, log: NoteLog) -> str | None:

@@ -28,7 +28,7 @@ from streamgrok.pipeline.events import (
     PipelineEvent,
     QuestionEvent,
 )
-from streamgrok.pipeline.grounding import NoteLog, grounded_prompt
+from streamgrok.pipeline.grounding import NoteLog, answer_stem, grounded_prompt
 from streamgrok.pipeline.ingest import Ingest, IngestConfig
 from streamgrok.pipeline.options import DEFAULT_CLIENT_OPTIONS, ClientOption
 from streamgrok.pipeline.resources import SharedResources
@@ -262,7 +262,8 @@ class PipelineRunner:
             tokenizer = self.engine.tokenizer
             prompt = grounded_prompt(question, self.notes, self.session.question_room(),
                                      lambda text: len(tokenizer.encode(text)))
-            answer = self.session.ask(prompt, one_line, remember=False)
+            answer = self.session.ask(prompt, one_line, remember=False,
+                                      answer_prefix=answer_stem(question, self.notes))
         else:
             answer = self.session.ask(question, sampling)
         when = self.stats.stream_time if pts is None else pts
