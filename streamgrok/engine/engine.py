@@ -25,13 +25,13 @@ from streamgrok.cache.kv_group import KVGroup
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.engine.commands import CloseSession, NewSession, SessionInfo
 from streamgrok.engine.config import EngineConfig
+from streamgrok.engine.events import AnswerDelta
 from streamgrok.engine.kv_leader import LeaderCache, LeaderModel, kv_parallel_cache, stop_followers
 from streamgrok.engine.metrics import EngineStats
 from streamgrok.engine.pending import AppendItem, PendingQueue, QuestionMarker
 from streamgrok.engine.runner import ModelRunner, StepThreads
 from streamgrok.engine.scheduler import Scheduler
 from streamgrok.engine.session import Answer, Session
-from streamgrok.engine.events import AnswerDelta
 from streamgrok.engine.state import AnswerState, SessionState
 from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.model.detokenizer import IncrementalDetokenizer

@@ -39,7 +39,7 @@ TOPICS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
     "cat": (frozenset({"cat", "cats", "kitten", "animal", "animals", "pet"}), frozenset({"cat"}),
             "no cat was seen"),
     "text": (frozenset("text written write writing sign signs read reads caption title "
-                       "screen label word words".split()),
+                       "label word words".split()),
              frozenset({"text"}), "no text was read on screen"),
     "colour": (frozenset({"colour", "color", "colours", "colors", "coloured", "colored"}),
                frozenset({"colour", "motion"}), "no colours were noted"),
@@ -95,8 +95,9 @@ def topics_of(question: str) -> list[str]:
 
 def relevant_notes(question: str, log: NoteLog, limit: int = 6) -> list[LoggedNote]:
     """The notes that bear on `question`: by topic and shared words (the latest one when
-    none does, the recent story for what happened); the most relevant last, next to the question (a small model answers from what is
-    nearest), equally relevant ones in stream order."""
+    none does, the recent story for what happened); the most relevant last, next to the
+    question (a small model answers from what is nearest), equally relevant ones in stream
+    order."""
     asked, topics = words(question), topics_of(question)
     wanted_tags = set().union(*(TOPICS[t][1] for t in topics))
     notes = list(log.notes)
