@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from vlm_helpers import TEXT, smolvlm_folder
+from vlm_helpers import smolvlm_folder
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.tokens import MODALITY, SOURCE
@@ -29,17 +29,11 @@ GREEDY = SamplingParams(max_tokens=8)
 def one_layer_vlm(tmp_path_factory):
     """One text layer: a token's K/V then depend on its own embedding and its cache position
     only, so a bounded session's cache must equal a fresh prefill of what it kept."""
-    import vlm_helpers
-
     folder = tmp_path_factory.mktemp("vlm1")
-    saved = dict(TEXT)
-    vlm_helpers.TEXT.update(num_hidden_layers=1)
-    try:
-        smolvlm_folder(folder, seed=3)
-    finally:
-        vlm_helpers.TEXT.clear()
-        vlm_helpers.TEXT.update(saved)
-    return load_model(folder)
+    smolvlm_folder(folder, seed=3, text_layers=1)
+    loaded = load_model(folder)
+    assert loaded.config.num_layers == 1
+    return loaded
 
 
 def picture(index: int) -> np.ndarray:

@@ -43,7 +43,7 @@ def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def smolvlm_folder(folder: Path, seed: int = 0, image_size: int = 64, patch: int = 8,
-                   longest_edge: int = 96):
+                   longest_edge: int = 96, text_layers: int = 2):
     """A tiny SmolVLM2 (SigLIP tower, pixel shuffle 2, Llama text model) and its video
     processor; returns the transformers model."""
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
@@ -51,7 +51,8 @@ def smolvlm_folder(folder: Path, seed: int = 0, image_size: int = 64, patch: int
 
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, image_size=image_size, patch_size=patch)
-    config = SmolVLMConfig(text_config=TEXT, vision_config=vision, scale_factor=2,
+    config = SmolVLMConfig(text_config={**TEXT, "num_hidden_layers": text_layers},
+                           vision_config=vision, scale_factor=2,
                            image_token_id=IMAGE_TOKEN, tie_word_embeddings=False)
     model = perturb(SmolVLMForConditionalGeneration(config), seed)
     folder.mkdir(parents=True, exist_ok=True)
