@@ -154,11 +154,12 @@ class ObserveFrames(Stage):
 
 @dataclass
 class EncodeFrames(Stage):
-    """The last video stage: frame tokens from the model's own vision tower (`vision`, shared
+    """The video stage that makes frame tokens: from the model's own vision tower (`vision`, shared
     by the engine's sessions), else from CLIP + a projector, else none. CLIP, when
     configured, is also each frame's index (text-to-frame search; with neither a tower nor a
     projector the index is all it gives): a near-duplicate CLIP embedding drops the frame.
-    A frame never leaves the video branch; one the encoder fails on becomes an error."""
+    Last on the branch (a frame never leaves it) unless `pass_frames` hands it on to the
+    observers; a frame the encoder fails on becomes an error."""
 
     clip: ClipEncoder | None
     projector: Projector | None
