@@ -253,7 +253,7 @@ def test_frame_encoders_are_loaded_once_per_process_not_per_session(monkeypatch)
 async def test_run_output_labels_questions_and_keeps_progress_out_of_answer_lines():
     import io
 
-    from streamgrok.pipeline.events import DeltaEvent, DoneEvent, QuestionEvent
+    from streamgrok.pipeline.events import DeltaEvent, DoneEvent, NoteEvent, QuestionEvent
     from streamgrok.pipeline.sinks import StdoutSink
     from streamgrok.run import progress_line
 
@@ -262,12 +262,14 @@ async def test_run_output_labels_questions_and_keeps_progress_out_of_answer_line
     await sink.send(QuestionEvent("answer", 3, "who?", 1.0))
     await sink.send(DeltaEvent("answer", 3, "A pers", None))
     sink.progress("  .. progress")  # mid-answer: held until the answer's line ends
+    await sink.send(NoteEvent("a cut", 2.0))  # so is a note
     await sink.send(DeltaEvent("answer", 3, "on.", None))
     await sink.send(DoneEvent("answer", 3, "A person.", None, metrics={"tokens": 2}))
     lines = out.getvalue().splitlines()
     assert "Q #3: who?" in lines[0]
     assert lines[1] == "  > #3 A person."
     assert lines[2] == "  .. progress" and lines[3].startswith("  (#3: 2 tokens")
+    assert "a cut" in lines[4]
     info = {"stream_time": 4.2, "frames_sampled": 8, "frames_dropped": 5, "notes": 2,
             "frame_drops": {"duplicate": 4, "stale": 1, "queue": 0}, "kv_pages_used": 3,
             "kv_pages_total": 100, "evicted_tokens": 0}

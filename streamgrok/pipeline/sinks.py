@@ -20,7 +20,8 @@ class StdoutSink:
     """Prints notes and alerts as lines and streams answers as they are generated.
 
     One answer streams live at a time; answers running concurrently are buffered and shown
-    whole, in order, when the live one ends, so their text never interleaves.
+    whole, in order, when the live one ends, so their text never interleaves; notes,
+    questions and progress that come meanwhile are printed after the live answer's line.
     """
 
     def __init__(self, stream: TextIO = sys.stdout, notes: bool = True,
@@ -31,6 +32,7 @@ class StdoutSink:
         self._live: int | None = None
         self._line_open = False
         self._held_progress: str | None = None
+        self._held_lines: list[str] = []  # notes and events that came while an answer streamed
         self._waiting: dict[int, list[DeltaEvent | DoneEvent]] = {}
 
     async def send(self, event: PipelineEvent) -> None:
@@ -45,12 +47,17 @@ class StdoutSink:
                 if isinstance(event, DoneEvent):
                     self._next_live()
             case QuestionEvent():
-                self._end_line()
                 label = "ALERT" if event.purpose == "alert" else "Q"
-                self._write(event.line().replace(f"{event.kind}:",
-                                                 f"{label} #{event.answer_id}:") + "\n")
+                line = event.line().replace(f"{event.kind}:", f"{label} #{event.answer_id}:")
+                if self._live is not None:  # an answer is streaming: after it
+                    self._held_lines.append(line)
+                else:
+                    self._end_line()
+                    self._write(line + "\n")
             case NoteEvent() if not self.notes:
                 pass
+            case _ if self._live is not None:  # an answer is streaming: after it
+                self._held_lines.append(event.line())
             case _:
                 self._end_line()
                 self._write(event.line() + "\n")
@@ -75,6 +82,9 @@ class StdoutSink:
 
     def _next_live(self) -> None:
         self._live = None
+        for line in self._held_lines:
+            self._write(line + "\n")
+        self._held_lines.clear()
         while self._waiting:
             answer, events = next(iter(self._waiting.items()))
             del self._waiting[answer]
