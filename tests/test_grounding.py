@@ -227,3 +227,11 @@ async def test_an_answer_prefix_is_the_answers_first_words(tiny_loaded):
                              answer_prefix="No")
         deltas = [d async for d in answer]
     assert deltas[0] == "No" and "".join(deltas).startswith("No")
+
+
+def test_what_was_said_is_asked_as_a_quote_but_a_sign_is_not():
+    log = log_of((1.0, 'said: "my name is Oliver"', {"transcript"}),
+                 (2.0, 'text on screen: "OPEN"', {"text"}))
+    assert "quotes the words said" in grounded_prompt("What name did the speaker say?", log)
+    assert "quotes the words said" not in grounded_prompt("What did the sign say?", log)
+    assert "quotes" not in grounded_prompt("When did the speaker talk?", log)

@@ -175,7 +175,11 @@ def _layout(question: str, notes: list[LoggedNote], missing: list[str],
     if times:
         lines.append("- times: " + times)
     lines.append("")
-    lines.append(f"Using only these notes, answer in one short sentence: {question}")
+    how = "one short sentence"
+    asked = topics_of(question)
+    if "speech" in asked and "text" not in asked and not WHEN.search(question):
+        how += " that quotes the words said"  # the transcript's own words, not a caption's
+    lines.append(f"Using only these notes, answer in {how}: {question}")
     return "\n".join(lines)
 
 
