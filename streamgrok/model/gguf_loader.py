@@ -70,16 +70,21 @@ class GGUFContents:
 def open_gguf(path: str | Path) -> GGUFContents:
     """Read a GGUF header and build the model config; tensors are read later, lazily."""
     path = Path(path)
+    reader, metadata = read_gguf(path)
+    return GGUFContents(_config_from_metadata(metadata, reader, path), metadata, reader, path)
+
+
+def read_gguf(path: Path, what: str = "model") -> tuple[GGUFReader, dict[str, Any]]:
+    """The reader and the decoded metadata of a GGUF file (`what` names it in errors)."""
     if not path.is_file():
-        raise ModelLoadError(f"model file not found: {path}")
+        raise ModelLoadError(f"{what} file not found: {path}")
     try:
         reader = GGUFReader(str(path))
     except Exception as exc:  # the gguf package raises bare ValueError/IndexError
         raise ModelLoadError(
             f"{path} is not a readable GGUF file (truncated or corrupt): {exc}"
         ) from exc
-    metadata = {name: _field_value(field) for name, field in reader.fields.items()}
-    return GGUFContents(_config_from_metadata(metadata, reader, path), metadata, reader, path)
+    return reader, {name: _field_value(field) for name, field in reader.fields.items()}
 
 
 def _field_value(field: Any) -> Any:

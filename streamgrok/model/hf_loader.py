@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +116,12 @@ def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
     )
 
 
-def iter_hf_state_dict(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (parameter name, tensor) from every *.safetensors file in the folder."""
+def iter_hf_state_dict(
+    folder: Path, dtype: torch.dtype, name_of: Callable[[str], str | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (parameter name, tensor) from every *.safetensors file in the folder; `name_of`
+    maps a checkpoint key to ours, None to skip it (default: the text model's names)."""
+    name_of = name_of or _parameter_name
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{folder} holds no *.safetensors weights")
@@ -125,7 +129,7 @@ def iter_hf_state_dict(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, 
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for key in handle.keys():
-                    name = _parameter_name(key)
+                    name = name_of(key)
                     if name is not None:
                         yield name, handle.get_tensor(key).to(dtype)
         except ModelLoadError:
@@ -134,11 +138,16 @@ def iter_hf_state_dict(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, 
             raise ModelLoadError(f"{file} could not be read (truncated or corrupt): {exc}") from exc
 
 
-def _parameter_name(key: str) -> str | None:
-    for prefix, replacement in _TEXT_PREFIXES:
+def renamed(key: str, prefixes: list[tuple[str, str]]) -> str | None:
+    """`key` with the first matching prefix replaced, None when none matches."""
+    for prefix, replacement in prefixes:
         if key.startswith(prefix):
-            key = replacement + key[len(prefix):]
-            break
+            return replacement + key[len(prefix):]
+    return None
+
+
+def _parameter_name(key: str) -> str | None:
+    key = renamed(key, _TEXT_PREFIXES) or key
     if key in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[key]
     match = _LAYER_RE.fullmatch(key)

@@ -10,6 +10,12 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+def layers_to(feature_layer: int, num_layers: int) -> int:
+    """Encoder layers that produce a `vision_feature_layer` (negative: counted from the end
+    of the hidden states, which start with the embeddings: -2 runs all but one layer)."""
+    return num_layers + 1 + feature_layer if feature_layer < 0 else feature_layer
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     """A ViT: SigLIP (SmolVLM2/Idefics3: no class token, post-norm on the output) or CLIP

@@ -39,17 +39,8 @@ class VisionEncoder:
     def device(self) -> torch.device:
         return self.tower.embeddings.patch_embedding.weight.device
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tower.embeddings.patch_embedding.weight.dtype
-
-    @property
-    def name(self) -> str:
-        """What `session.started` and the page header report as the vision path."""
-        return (f"{self.family} vision tower ({self.tokens_per_frame} tokens a frame, "
-                f"{self.preprocess.image_size}px)")
-
     def describe(self) -> dict:
+        """What `session.started` and the page header report as the vision path."""
         return {"kind": "vlm", "family": self.family, "tokens_per_frame": self.tokens_per_frame,
                 "image_size": self.preprocess.image_size, "source": self.source,
                 "random_weights": self.random_weights}
@@ -109,17 +100,16 @@ def build_encoder(family: str, vision: VisionConfig, connector: ConnectorConfig,
         tower, conn = VisionTower(vision), build_connector(connector, vision)
     for prefix, module in (("tower.", tower), ("connector.", conn)):
         own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        expected = set(module.state_dict())
-        missing, unexpected = sorted(expected - set(own)), sorted(set(own) - expected)
+        shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        missing, unexpected = sorted(shapes.keys() - own.keys()), sorted(own.keys() - shapes.keys())
         if missing or unexpected:
             raise ModelLoadError(f"{source}: vision weights do not match the {family} "
                                  f"{prefix[:-1]}: missing {missing[:4]}, unexpected "
                                  f"{unexpected[:4]}")
         for name, tensor in own.items():
-            want = module.state_dict()[name].shape
-            if tuple(tensor.shape) != tuple(want):
+            if tuple(tensor.shape) != shapes[name]:
                 raise ModelLoadError(f"{source}: vision weight {prefix}{name} has shape "
-                                     f"{tuple(tensor.shape)}, expected {tuple(want)}")
+                                     f"{tuple(tensor.shape)}, expected {shapes[name]}")
         module.load_state_dict(own, assign=True, strict=True)
     return VisionEncoder(family, vision, connector, preprocess, tower.eval().requires_grad_(False),
                          conn.eval().requires_grad_(False), source)

@@ -4,14 +4,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from streamgrok.errors import ModelLoadError, UnsupportedArchitecture
+from streamgrok.model.hf_loader import iter_hf_state_dict, read_json, renamed
 from streamgrok.vision.config import (
     IMAGENET_STANDARD,
     OPENAI_CLIP_MEAN,
@@ -19,6 +18,7 @@ from streamgrok.vision.config import (
     ConnectorConfig,
     PreprocessConfig,
     VisionConfig,
+    layers_to,
 )
 from streamgrok.vision.encoder import VisionEncoder, build_encoder
 
@@ -82,7 +82,7 @@ def vision_configs(raw: dict[str, Any], family: str, processor: dict[str, Any],
                              f"{raw['projector_hidden_act']!r} is not supported")
     vision = VisionConfig(**common, layer_norm_eps=float(vc.get("layer_norm_eps", 1e-5)),
                           patch_bias=False, class_token=True, pre_norm=True, post_norm=False,
-                          feature_layers=layers + 1 + layer if layer < 0 else layer,
+                          feature_layers=layers_to(layer, layers),
                           drop_class_token=strategy == "default")
     connector = ConnectorConfig("mlp", text_hidden,
                                 bias=bool(raw.get("multimodal_projector_bias", True)))
@@ -110,8 +110,6 @@ def _crop_preprocess(proc: dict[str, Any], image_size: int) -> PreprocessConfig:
 
 def processor_config(folder: Path) -> dict[str, Any]:
     """The video processor's config over the image processor's (either may be absent)."""
-    from streamgrok.model.hf_loader import read_json
-
     merged: dict[str, Any] = {}
     for name in ("preprocessor_config.json", "video_preprocessor_config.json"):
         if (folder / name).is_file():
@@ -119,31 +117,10 @@ def processor_config(folder: Path) -> dict[str, Any]:
     return merged
 
 
-def vision_tensors(folder: Path, family: str, vision: VisionConfig,
-                   dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) for the tower layers that run and the connector."""
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
-                    name = _vision_name(key, family, vision)
-                    if name is not None:
-                        yield name, handle.get_tensor(key).to(dtype)
-        except ModelLoadError:
-            raise
-        except Exception as exc:
-            raise ModelLoadError(f"{file} could not be read (truncated or corrupt): {exc}") \
-                from exc
-
-
 def _vision_name(key: str, family: str, vision: VisionConfig) -> str | None:
-    for prefix, ours in _PREFIXES[family]:
-        if key.startswith(prefix):
-            name = ours + key[len(prefix):]
-            break
-    else:
-        return None
-    if name.endswith("position_ids") or (not vision.post_norm and ".post_layernorm." in name):
+    name = renamed(key, _PREFIXES[family])
+    if name is None or name.endswith("position_ids") or (
+            not vision.post_norm and ".post_layernorm." in name):
         return None
     if name.startswith("tower.encoder.layers."):
         if int(name.split(".")[3]) >= vision.layers_run:
@@ -160,6 +137,7 @@ def load_hf_vision(folder: Path, raw: dict[str, Any], dtype: torch.dtype,
                                       f"(supported: {', '.join(VLM_ARCHITECTURES)})")
     vision, connector, preprocess = vision_configs(raw, family, processor_config(folder),
                                                    folder)
-    state = dict(vision_tensors(folder, family, vision, dtype))
+    state = dict(iter_hf_state_dict(folder, dtype,
+                                    lambda key: _vision_name(key, family, vision)))
     return build_encoder(family, vision, connector, preprocess, state, str(folder)).to(
         device, dtype)

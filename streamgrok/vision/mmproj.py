@@ -9,15 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGUFReader
 
 from streamgrok.errors import ModelLoadError, UnsupportedArchitecture
-from streamgrok.model.gguf_loader import tensor_array, writable_float32
+from streamgrok.model.gguf_loader import read_gguf, tensor_array, writable_float32
 from streamgrok.vision.config import (
     IMAGENET_STANDARD,
     ConnectorConfig,
     PreprocessConfig,
     VisionConfig,
+    layers_to,
 )
 from streamgrok.vision.encoder import VisionEncoder, build_encoder
 
@@ -40,28 +40,12 @@ _GLOBAL = {"v.patch_embd.weight": "tower.embeddings.patch_embedding.weight",
 _BLOCK_RE = re.compile(r"v\.blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def _fields(reader: GGUFReader) -> dict[str, Any]:
-    values = {}
-    for name, field in reader.fields.items():
-        try:
-            values[name] = field.contents()
-        except Exception:
-            values[name] = None
-    return values
-
-
 def load_mmproj(path: str | Path, text_hidden: int, dtype: torch.dtype,
                 device: torch.device | str) -> VisionEncoder:
     """The vision encoder in an mmproj GGUF; `text_hidden` is the text model's width,
     checked against the projector's output."""
     path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"mmproj file not found: {path}")
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
-    meta = _fields(reader)
+    reader, meta = read_gguf(path, "mmproj")
     kind = meta.get("clip.projector_type")
     if meta.get("general.architecture") != "clip" or kind is None:
         raise ModelLoadError(f"{path} is not an mmproj file (general.architecture "
@@ -102,8 +86,7 @@ def _configs(meta: dict[str, Any], family: str, tensors: dict[str, Any], text_hi
             raise ModelLoadError(f"{path}: several vision feature layers are not supported")
         feature = feature[0]
     layers = int(need("clip.vision.block_count"))
-    run = blocks if feature is None else (layers + 1 + int(feature) if int(feature) < 0
-                                          else int(feature))
+    run = blocks if feature is None else layers_to(int(feature), layers)
     image_size = int(need("clip.vision.image_size"))
     vision = VisionConfig(
         hidden_size=int(need("clip.vision.embedding_length")),
