@@ -3,8 +3,8 @@
 A small model answers from what sits next to the question far better than from notes spread
 over thousands of tokens of context. `NoteLog` keeps a session's notes (bounded: the oldest
 go first); `grounded_prompt` picks the notes that share words or a topic with the question
-(what was said, who was seen, text, colours, motion, cuts), always the latest few, the most
-relevant nearest the question, adds the times of what a "when" question asks about and the
+(what was said, who was seen, text, colours, motion, cuts), or the latest one when none does,
+the most relevant nearest the question, adds the times of what a "when" question asks about and the
 totals a "how many" question needs, and says plainly when nothing was seen or heard of what
 the question asks, so the model has a true answer to give instead of an invented one.
 """
@@ -124,8 +124,12 @@ def answer_stem(question: str, log: NoteLog) -> str:
     topics = [t for t in topics_of(question) if t in TIMED and t != "change"]
     if not topics or not YES_NO.search(question):
         return ""
-    never = all(not any(n.tags & TOPICS[t][1] for n in log.notes) for t in topics)
-    return "No" if never else ""
+    return "" if any(noted(t, log) for t in topics) else "No"
+
+
+def noted(topic: str, log: NoteLog) -> bool:
+    """Whether any note of the log is on `topic`."""
+    return any(n.tags & TOPICS[topic][1] for n in log.notes)
 
 
 def timeline(question: str, log: NoteLog) -> str | None:
@@ -151,20 +155,28 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
     until the prompt fits, and the bare question goes when nothing else does (it is never
     cut)."""
     notes = relevant_notes(question, log)
-    missing = [TOPICS[t][2] for t in topics_of(question)
-               if not any(n.tags & TOPICS[t][1] for n in log.notes)]
+    missing = [TOPICS[t][2] for t in topics_of(question) if not noted(t, log)]
     totals = counts(log) if "how many" in question.lower() else None
     times = timeline(question, log)
-    prompt = _layout(question, notes, missing, totals, times)
+    ask = f"Using only these notes, answer in {_answer_form(question)}: {question}"
+    prompt = _layout(ask, notes, missing, totals, times)
     if room is None or count is None:
         return prompt
     while notes and count(prompt) > room:  # the least relevant go first
         notes = notes[1:]
-        prompt = _layout(question, notes, missing, totals, times)
+        prompt = _layout(ask, notes, missing, totals, times)
     return prompt if count(prompt) <= room else question
 
 
-def _layout(question: str, notes: list[LoggedNote], missing: list[str],
+def _answer_form(question: str) -> str:
+    """What the answer should be: a short sentence, quoting the words for what was said."""
+    asked = topics_of(question)
+    if "speech" in asked and "text" not in asked and not WHEN.search(question):
+        return "one short sentence that quotes the words said"  # not a caption's words
+    return "one short sentence"
+
+
+def _layout(ask: str, notes: list[LoggedNote], missing: list[str],
             totals: str | None, times: str | None = None) -> str:
     lines = ["Notes (time, what was seen or heard):"]
     lines += [note.line() for note in notes] or ["- nothing yet"]
@@ -175,11 +187,7 @@ def _layout(question: str, notes: list[LoggedNote], missing: list[str],
     if times:
         lines.append("- times: " + times)
     lines.append("")
-    how = "one short sentence"
-    asked = topics_of(question)
-    if "speech" in asked and "text" not in asked and not WHEN.search(question):
-        how += " that quotes the words said"  # the transcript's own words, not a caption's
-    lines.append(f"Using only these notes, answer in {how}: {question}")
+    lines.append(ask)
     return "\n".join(lines)
 
 
