@@ -36,6 +36,7 @@ from streamgrok.server.openai_schema import (
 )
 from streamgrok.server.protocol import ProtocolError, strict_json_object
 from streamgrok.stream_tokens import Modality
+from streamgrok.vision.encoder import token_rows
 
 if TYPE_CHECKING:
     from streamgrok.server.app import StreamgrokServer
@@ -145,18 +146,22 @@ class OpenAIApi:
         messages = [await self._render_message(m, i) for i, m in enumerate(chat.messages)]
         if live:
             return self.answer(chat, messages[-1]["content"], request)
+        return self.answer(chat, self._render_chat(messages), request, raw=True)
+
+    def _render_chat(self, messages: list[dict]) -> str:
+        """The model's chat template over `messages`; its refusal is the client's 400."""
         try:
-            prompt = self.server.engine.tokenizer.render_chat(messages)
+            return self.server.engine.tokenizer.render_chat(messages)
         except TemplateError as exc:
             raise ApiError(400, f"the model's chat template refused the messages: {exc}",
                            param="messages") from exc
-        return self.answer(chat, prompt, request, raw=True)
 
     async def _seen_chat_answer(self, chat: GenerationRequest) -> AnswerStream:
         """A chat with images for a model with a vision tower: the template rendered with a
         marker where each image goes, the text between the markers as token embeddings and
         each image as the tower's tokens in the model's own image framing."""
         engine = self.server.engine
+        self._admit(chat)  # before the tower does any work for a request that cannot run
         images: list[tuple[int, str]] = []
         messages = []
         for index, message in enumerate(chat.messages):
@@ -168,12 +173,7 @@ class OpenAIApi:
                     texts.append(IMAGE_MARKER.format(len(images)))
                     images.append((index, part.image_url))
             messages.append({"role": message.role, "content": "\n".join(texts)})
-        try:
-            prompt = engine.tokenizer.render_chat(messages)
-        except TemplateError as exc:
-            raise ApiError(400, f"the model's chat template refused the messages: {exc}",
-                           param="messages") from exc
-        pieces = IMAGE_SPLIT.split(prompt)  # text, image number, text, ..., text
+        pieces = IMAGE_SPLIT.split(self._render_chat(messages))  # text, image no., ..., text
         if len(pieces) != 2 * len(images) + 1:
             raise ApiError(400, "the model's chat template dropped or repeated an image",
                            param="messages")
@@ -191,18 +191,11 @@ class OpenAIApi:
                 raise ApiError(400, f"image {len(rows) + 1}: {exc}",
                                param=f"messages[{index}].content") from None
         preamble: list[tuple[Modality, torch.Tensor]] = []
-        embed = engine.loaded.model.embed
         for number, (text, image) in enumerate(zip(pieces[0:-1:2], rows)):
             ids = engine.tokenizer.encode(text, add_bos=None if number == 0 else False)
             if ids:
-                with torch.inference_mode():
-                    preamble.append((Modality.TEXT, embed(torch.tensor(
-                        ids, device=embed.weight.device)).float().cpu()))
+                preamble.append((Modality.TEXT, token_rows(ids, engine.loaded.model.embed)))
             preamble.append((Modality.FRAME, image))
-        refused = self.server.question_admission(chat.sampling.max_tokens)
-        if refused:
-            self.server.metrics.refused_questions.inc()
-            raise ApiError(429, refused, "rate_limit_error", code="busy")
         return EngineAnswer(engine, pieces[-1], chat.sampling, chat.stops, preamble)
 
     async def _render_message(self, message: ChatMessage, index: int) -> dict:
@@ -218,6 +211,13 @@ class OpenAIApi:
             except ImageError as exc:
                 raise ApiError(400, str(exc), param=f"messages[{index}].content") from None
         return {"role": message.role, "content": "\n".join(texts)}
+
+    def _admit(self, request: GenerationRequest) -> None:
+        """Refuse (429) a new engine answer the server has no room for now."""
+        refused = self.server.question_admission(request.sampling.max_tokens)
+        if refused:
+            self.server.metrics.refused_questions.inc()
+            raise ApiError(429, refused, "rate_limit_error", code="busy")
 
     def _live_session_id(self, request: GenerationRequest, http: Request | None) -> str | None:
         if request.session is not None:
@@ -237,10 +237,7 @@ class OpenAIApi:
                                code="session_not_found")
             return LiveAnswer(connection, prompt, f"http-{next(self._ids)}",
                               request.sampling.max_tokens, request.stops)
-        refused = self.server.question_admission(request.sampling.max_tokens)
-        if refused:
-            self.server.metrics.refused_questions.inc()
-            raise ApiError(429, refused, "rate_limit_error", code="busy")
+        self._admit(request)
         if not raw:
             prompt = self.server.engine.tokenizer.render_chat(
                 [{"role": "user", "content": prompt}])

@@ -79,14 +79,21 @@ class VisionEncoder:
         head = self.framing.before_image() if pts is None else self.framing.before(pts)
         before = tokenizer.encode(head, add_bos=False)
         after = tokenizer.encode(self.framing.after(), add_bos=False)
-        ids = torch.tensor([*before, *after], dtype=torch.long, device=embedding.weight.device)
-        text = embedding(ids).float().cpu()
+        text = token_rows([*before, *after], embedding)
         return torch.cat([text[: len(before)], vectors.float(), text[len(before):]])
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> VisionEncoder:
         self.tower.to(device=device, dtype=dtype)
         self.connector.to(device=device, dtype=dtype)
         return self
+
+
+@torch.inference_mode()
+def token_rows(ids: list[int], embedding: nn.Embedding) -> torch.Tensor:
+    """The embedding rows [n, hidden] of token ids, float32 on the host (what the model's own
+    lookup gives them, ready to travel as embedding rows beside image tokens)."""
+    index = torch.tensor(ids, dtype=torch.long, device=embedding.weight.device)
+    return embedding(index).float().cpu()
 
 
 def build_encoder(family: str, vision: VisionConfig, connector: ConnectorConfig,
