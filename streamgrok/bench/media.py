@@ -66,18 +66,13 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0,
         encoder, label = clip_baseline(clip_weights)
         images = [f.image for f in decode_container(str(demo), audio=False)
                   if isinstance(f, VideoFrame)][:32]
-        encoder.encode(images[:2])
-        for batch in (1, 16):
-            started = time.perf_counter()
-            for start in range(0, 32, batch):
-                encoder.encode(images[start : start + batch])
-            rate = 32 / (time.perf_counter() - started)
+        from streamgrok.bench.vision import time_batches, vision_bench
+
+        rates = {batch: time_batches(encoder.encode, images, batch, 32) for batch in (1, 16)}
+        for batch, rate in rates.items():
             results[f"clip_b{batch}_fps"] = rate
             print(f"CLIP       {label} batch {batch:>2}: {rate:6.1f} frames/s")
-
-        from streamgrok.bench.vision import vision_bench
-
-        results.update(vision_bench(images, encoder, out))
+        results.update(vision_bench(images, rates, out))  # open_clip's rates: the baseline
         results.update(observer_costs(images, busy))
         results.update(speech_bench())
 
@@ -104,13 +99,16 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0,
 
 def run_vision_part(clip_weights: str | None, out: str) -> dict:
     """The vision towers alone, on decoded demo frames."""
-    from streamgrok.bench.vision import vision_bench
+    from streamgrok.bench.vision import time_batches, vision_bench
 
     with tempfile.TemporaryDirectory() as tmp:
         demo = write_clip(Path(tmp) / "demo.mp4", DEMO_SCENES, width=640, height=360, fps=25)
         images = [f.image for f in decode_container(str(demo), audio=False)
                   if isinstance(f, VideoFrame)][:32]
-    return vision_bench(images, clip_baseline(clip_weights)[0], out)
+    encoder = clip_baseline(clip_weights)[0]
+    rates = {batch: time_batches(encoder.encode, images, batch, count)
+             for batch, count in ((1, 4), (16, 16))}
+    return vision_bench(images, rates, out)
 
 
 def clip_baseline(clip_weights: str | None) -> tuple[ClipEncoder, str]:

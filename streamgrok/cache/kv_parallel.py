@@ -388,9 +388,8 @@ class KVParallelCache:
 
     def index_frame(self, seq_id: int, source: int, embedding: torch.Tensor) -> None:
         """As `PagedKVCache.index_frame` (mirrored, so every rank chooses the same)."""
-        seq = self.sequences.get(seq_id)
-        if seq is not None:
-            seq.frame_embeddings[int(source)] = embedding.detach().float().cpu()
+        if (seq := self.sequences.get(seq_id)) is not None:
+            seq.index_frame(source, embedding)
 
     def _mirror_protection(self, seq_id: int, layer: int) -> None:
         whole = self.sequences[seq_id].layers[layer]

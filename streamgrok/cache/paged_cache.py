@@ -53,6 +53,10 @@ class SequenceState:
     # drops a frame a newer one repeats first (see policies.frame_novelty)
     frame_embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def index_frame(self, source: int, embedding: torch.Tensor) -> None:
+        """Keep a cached frame's CLIP embedding (its index) for frame-aware eviction."""
+        self.frame_embeddings[int(source)] = embedding.detach().float().cpu()
+
 
 @dataclass
 class Reservation:
@@ -468,9 +472,8 @@ class PagedKVCache:
 
     def index_frame(self, seq_id: int, source: int, embedding: torch.Tensor) -> None:
         """Record a cached frame's CLIP embedding (its index) for frame-aware eviction."""
-        seq = self.sequences.get(seq_id)
-        if seq is not None:
-            seq.frame_embeddings[int(source)] = embedding.detach().float().cpu()
+        if (seq := self.sequences.get(seq_id)) is not None:
+            seq.index_frame(source, embedding)
 
     def compact_layer(self, rec: LayerTokens, keep: torch.Tensor) -> None:
         """Move kept tokens to the front of the layer's pages on the device; free the emptied
