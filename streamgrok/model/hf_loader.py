@@ -55,11 +55,11 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def config_from_hf(folder: Path) -> ModelConfig:
+def config_from_hf(folder: Path, raw: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face config.json."""
     from streamgrok.vision.hf_folder import VLM_ARCHITECTURES, vlm_family
 
-    raw = read_json(folder / "config.json")
+    raw = read_json(folder / "config.json") if raw is None else raw
     archs = raw.get("architectures") or [raw.get("model_type", "?")]
     arch = _ARCHITECTURES.get(archs[0])
     if vlm_family(raw) is not None:  # the language model of a vision-language folder

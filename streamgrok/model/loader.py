@@ -171,11 +171,12 @@ def load_model(
         raise ValueError(f"unknown weight format {weights!r} (auto, f32, bf16, q8, q4)")
     source = Path(path) if path is not None else default_model_path()
     if source.is_dir():
-        config = config_from_hf(source)
+        raw = read_json(source / "config.json")
+        config = config_from_hf(source, raw)
         model = build_model(config, iter_hf_state_dict(source, dtype), device, weights, fuse)
         extra_eos = _generation_eos(source)
         tokenizer = Tokenizer.from_hf_folder(source, extra_eos)
-        vision = _folder_vision(source, dtype, device)
+        vision = _folder_vision(source, raw, dtype, device)
     elif source.is_file():
         contents = open_gguf(source)
         config = contents.config
@@ -196,10 +197,10 @@ def load_model(
     return LoadedModel(model, tokenizer, config, source, vision)
 
 
-def _folder_vision(folder: Path, dtype: torch.dtype, device) -> VisionEncoder | None:
+def _folder_vision(folder: Path, raw: dict, dtype: torch.dtype,
+                   device) -> VisionEncoder | None:
     from streamgrok.vision.hf_folder import load_hf_vision, vlm_family
 
-    raw = read_json(folder / "config.json")
     return load_hf_vision(folder, raw, dtype, device) if vlm_family(raw) else None
 
 

@@ -59,6 +59,7 @@ class Tokenizer:
     chat_template: str | None = None
     add_bos: bool = False
     _template_cache: Any = field(default=None, repr=False)
+    _typed_parts: bool = field(default=False, repr=False)  # content as a list of parts
     _line_breaks: frozenset[int] | None = field(default=None, repr=False)
 
     @classmethod
@@ -180,8 +181,9 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_template_error
             env.globals["strftime_now"] = lambda fmt: date.today().strftime(fmt)
             self._template_cache = env.from_string(self.chat_template)
-        if "['type']" in self.chat_template or '["type"]' in self.chat_template:
-            # a vision-language template reads content as a list of typed parts
+            self._typed_parts = ("['type']" in self.chat_template
+                                 or '["type"]' in self.chat_template)
+        if self._typed_parts:  # a vision-language template reads content as typed parts
             messages = [{**m, "content": [{"type": "text", "text": m["content"]}]}
                         if isinstance(m.get("content"), str) else m for m in messages]
         return self._template_cache.render(
