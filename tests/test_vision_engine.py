@@ -59,11 +59,12 @@ async def test_frames_are_batched_across_sessions_and_evicted_whole(one_layer_vl
             session.append_embeddings(frame_rows, i / 2, i, droppable=False)
         for session in sessions:
             assert await session.ask("what?", SamplingParams(max_tokens=2)).text() is not None
-        for session in sessions:
-            for layer in engine.cache.sequences[session._state.seq_id].layers:
-                frames = layer.column(MODALITY) == int(Modality.FRAME)
-                counts = torch.bincount(layer.column(SOURCE)[frames].long())
-                assert set(counts.tolist()) <= {0, width}  # whole frames only
+        async with engine.paused():  # between steps: the records are not being written
+            for session in sessions:
+                for layer in engine.cache.sequences[session._state.seq_id].layers:
+                    frames = layer.column(MODALITY) == int(Modality.FRAME)
+                    counts = torch.bincount(layer.column(SOURCE)[frames].long())
+                    assert set(counts.tolist()) <= {0, width}  # whole frames only
 
 
 async def test_waiting_frames_of_many_sessions_go_through_the_tower_together(one_layer_vlm):
