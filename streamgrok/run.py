@@ -109,7 +109,8 @@ async def _run_pipeline(
         runner.start()
         print(f"pipeline {pipeline.name} on {source} "
               f"({'live' if pipeline.ingest.live else 'as fast as possible'}, "
-              f"{pipeline.ingest.fps:g} fps sampled); {describe_vision(runner.vision_path())}")
+              f"{pipeline.ingest.fps:g} fps sampled); {describe_vision(runner.vision_path())}; "
+              f"answers from the {runner.answer_context()}")
         stats = await runner.run(source, triggers)
         snap = engine.snapshot()
     for sink in sinks:

@@ -162,6 +162,27 @@ async def test_work_queued_while_paused_starts_in_one_step(tiny_loaded):
     assert len(set(texts)) == 1  # same context, same question: same greedy answer
 
 
+async def test_an_answer_over_its_own_context_sees_the_system_prompt_alone(tiny_loaded):
+    fresh = await answer_alone(tiny_loaded, [], "what now?")
+    config = EngineConfig(merge_window_s=0, step_tokens=16)
+    async with Engine(tiny_loaded, CACHE, config) as engine:
+        session = engine.new_session("sys")
+        async with engine.paused():
+            await session.append_message("note " * 150)
+            behind = session.ask("what now?", GREEDY)  # reached after the notes
+            own = session.ask("what now?", GREEDY, remember=False, own_context=True)
+        texts = await asyncio.gather(behind.text(), own.text())
+        with pytest.raises(ValueError, match="own"):
+            session.ask("what now?", GREEDY, own_context=True)  # remember=True
+        async with engine.paused():
+            seq = engine.cache.sequences[session._state.seq_id]
+            streamed = seq.stream_pos
+    assert texts[1] == fresh  # nothing of the stream reached it
+    # it waited for none of the steps that prefilled the notes queued before it
+    assert own.metrics.first_token_step < streamed // config.step_tokens
+    assert own.metrics.first_token_step < behind.metrics.first_token_step
+
+
 async def test_a_question_larger_than_the_budget_allows_is_rejected_up_front(tiny_loaded):
     from streamgrok.errors import RequestTooLarge
 

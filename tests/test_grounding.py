@@ -145,6 +145,9 @@ def test_people_are_events_with_counts_and_nothing_repeats():
     assert texts[1] == "1 person appeared (1 in view)"
     assert texts[2] == "1 person appeared (2 in view)"
     assert texts[3] == "2 people left (none in view)"
+    assert notes[0].events[0] == ("first view", frozenset())  # each event with its own tags
+    assert notes[0].events[1][1] == frozenset({"colour"})
+    assert notes[3].events == (("2 people left (none in view)", frozenset({"person"})),)
 
 
 @needs_tesseract
@@ -186,8 +189,30 @@ def test_counting_questions_get_the_totals():
     log = log_of((4.0, "scene cut: a different scene", {"cut"}),
                  (6.0, "1 face appeared (1 in view)", {"face"}),
                  (8.0, "scene cut: a different scene; 1 face left (none in view)", {"cut"}))
-    prompt = grounded_prompt("How many scene cuts were there?", log)
-    assert "2 scene cuts" in prompt and "at most 1 face in view" in prompt
+    cuts = grounded_prompt("How many scene cuts were there?", log)
+    assert "in all: 2 scene cuts\n" in cuts  # only the total asked for
+    people = grounded_prompt("How many people were in view at most?", log)
+    assert "in all: at most 1 face in view at once\n" in people
+    everything = grounded_prompt("How many were there?", log)
+    assert "2 scene cuts" in everything and "at most 1 face in view" in everything
+
+
+def test_a_note_shows_only_its_events_that_answer_the_question():
+    log = NoteLog()
+    log.add(Note("the blue object is moving right to left", 3.0, tags={"motion"},
+                 events=(("the blue object is moving right to left", frozenset({"motion"})),)))
+    both = (("colours dark grey, yellow", frozenset({"colour"})),
+            ("the yellow object is moving left to right", frozenset({"motion"})),
+            ("the blue object left, right to left", frozenset({"motion"})))
+    log.add(Note("; ".join(text for text, _ in both), 8.0, tags={"motion", "colour"},
+                 events=both))
+    blue = grounded_prompt("Which way did the blue object move?", log)
+    assert "blue object is moving right to left" in blue and "yellow" not in blue
+    yellow = grounded_prompt("Which way did the yellow object move?", log)
+    assert "at 8 seconds: the yellow object is moving left to right\n" in yellow
+    assert "blue" not in yellow
+    colours = grounded_prompt("What colours were seen?", log)
+    assert "colours dark grey, yellow" in colours
 
 
 def test_a_grounded_prompt_leaves_out_the_oldest_notes_to_fit_its_room():
@@ -202,7 +227,7 @@ def test_a_grounded_prompt_leaves_out_the_oldest_notes_to_fit_its_room():
     assert grounded_prompt("What was said?", log, room=20, count=len) == "What was said?"
 
 
-def test_a_yes_no_question_about_what_was_never_noted_starts_with_no():
+def test_where_the_notes_decide_an_answer_it_is_given_its_first_words():
     from streamgrok.pipeline.grounding import answer_stem
 
     log = log_of((1.0, "1 face appeared (1 in view)", {"face"}),
@@ -211,7 +236,11 @@ def test_a_yes_no_question_about_what_was_never_noted_starts_with_no():
     assert answer_stem("Was any text shown on screen?", log) == "No"
     assert answer_stem("Was there a person on screen?", log) == ""  # one was noted
     assert answer_stem("Did anyone speak?", log) == ""
-    assert answer_stem("Who was on screen?", log) == ""  # not a yes/no question
+    assert answer_stem("What was said?", log) == ""  # the model words it
+    assert answer_stem("How many cats were seen?", log) == "No"
+    assert answer_stem("How many faces were seen?", log) == ""  # the totals say
+    assert answer_stem("Who was on screen?", log) == "A person"  # never a name
+    assert answer_stem("Who was on screen?", NoteLog()) == "No one"
     assert answer_stem("Did the scene change?", log) == ""  # cuts are not "never noted"
 
 
@@ -229,9 +258,28 @@ async def test_an_answer_prefix_is_the_answers_first_words(tiny_loaded):
     assert deltas[0] == "No" and "".join(deltas).startswith("No")
 
 
+def test_sentences_said_one_after_another_are_one_quote():
+    log = log_of((2.0, 'said: "Attention please!"', {"speech", "transcript"}),
+                 (4.0, 'said: "The truck arrives at gate 7."', {"speech", "transcript"}),
+                 (30.0, 'said: "Much later."', {"speech", "transcript"}))
+    prompt = grounded_prompt("What did the announcement say?", log)
+    assert '- at 2 seconds: said: "Attention please! The truck arrives at gate 7."' in prompt
+    assert '- at 30 seconds: said: "Much later."' in prompt  # too far apart to join
+
+
 def test_what_was_said_is_asked_as_a_quote_but_a_sign_is_not():
     log = log_of((1.0, 'said: "my name is Oliver"', {"transcript"}),
                  (2.0, 'text on screen: "OPEN"', {"text"}))
     assert "quotes the words said" in grounded_prompt("What name did the speaker say?", log)
     assert "quotes the words said" not in grounded_prompt("What did the sign say?", log)
     assert "quotes" not in grounded_prompt("When did the speaker talk?", log)
+
+
+def test_the_grounding_score_wants_the_fact_not_a_word_that_looks_like_it():
+    from streamgrok.bench.grounding import Question
+
+    count = Question("How many faces were seen?", "counting", (("1", "one"),))
+    assert count.score("One face was seen.") and count.score("1")
+    assert not count.score("No one was seen.")  # "no one" is not the number
+    absent = Question("Was a cat seen?", "presence", absent=True)
+    assert absent.score("No, no cat was seen.") and not absent.score("A cat was seen.")

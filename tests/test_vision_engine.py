@@ -136,6 +136,7 @@ async def test_pipelines_stream_vlm_frame_tokens_and_say_so(one_layer_vlm, tmp_p
         path = runner.vision_path()
         assert path["kind"] == "vlm" and path["family"] == "idefics3"
         assert path["tokens_per_frame"] == 16
+        assert runner.answer_context() == "stream"  # the frames are only in the stream
         stats = await runner.run(str(clip))
         assert engine.vision.stats.frames > 0
         assert stats.frame_tokens == engine.vision.stats.frames * (
@@ -149,7 +150,10 @@ async def test_pipelines_stream_vlm_frame_tokens_and_say_so(one_layer_vlm, tmp_p
         runner = PipelineRunner(off, engine, [Collect()])
         runner.start()
         assert runner.vision_path()["kind"] == "notes"
+        assert runner.answer_context() == "notes"  # the notes say all the stream holds
         assert (await runner.run(str(clip))).frame_tokens == 0
+    with pytest.raises(ValueError, match="answer_context"):
+        Pipeline("bad", answer_context="everything")
 
 
 def test_the_vision_system_prompt_names_frames():

@@ -7,10 +7,12 @@ answer scores when it contains every expected fact (any of each fact's spellings
 questions are also checked for invented names: a capitalised word in the answer that is in
 neither the question nor any note.
 
-Two configurations run in the same process on the same clips: the current default
-(Whisper base, grounded questions, the current system prompt) and the baseline (the old
-recogniser, pocketsphinx, with questions asked bare under the old system prompt). Both use
-the same observers, which this benchmark cannot switch back.
+Three configurations run in the same process on the same clips: the current default
+(Whisper base, grounded questions answered over the system prompt and their notes, the
+current system prompt), the same answered over the session's stream (`answer_context`
+"stream": what the default was before), and the baseline (the old recogniser, pocketsphinx,
+with questions asked bare over the stream under the old system prompt). All use the same
+observers, which this benchmark cannot switch back.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Question:
         said = f" {normalise(answer)} "
         if self.absent:
             return said.split()[:1] == ["no"] or any(f" {d} " in said for d in DENIALS)
+        said = said.replace(" no one ", " nobody ")  # not the number one
         return all(any(f" {normalise(s)} " in said for s in fact) for fact in self.facts)
 
 
@@ -161,6 +164,7 @@ class Config:
     speech_model: str
     grounded: bool
     system_prompt: str | None  # None: the pipeline's own
+    answer_context: str | None = None  # None: the pipeline's own
 
 
 def run_grounding_bench(loaded: LoadedModel, pipeline_path: str = "pipelines/live_qa.py",
@@ -168,7 +172,9 @@ def run_grounding_bench(loaded: LoadedModel, pipeline_path: str = "pipelines/liv
                         only: str | None = None) -> dict:
     configs = [Config("baseline (pocketsphinx, bare questions, old prompt)", "pocketsphinx",
                       False, OLD_SYSTEM),
-               Config("current (Whisper base, grounded questions)", "base", True, None)]
+               Config("current (Whisper base, grounded questions)", "base", True, None),
+               Config("stream (the same, answered over the stream)", "base", True, None,
+                      "stream")]
     chosen = [c for c in clips() if only is None or c.name in only.split(",")]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,7 +205,9 @@ async def _run_config(loaded: LoadedModel, pipeline_path: str, config: Config,
                            "hidden_size": loaded.config.hidden_size}
                 pipeline = load_pipeline(pipeline_path, options, resources)
                 pipeline = replace(pipeline, grounded=config.grounded,
-                                   system_prompt=config.system_prompt or pipeline.system_prompt)
+                                   system_prompt=config.system_prompt or pipeline.system_prompt,
+                                   answer_context=config.answer_context
+                                   or pipeline.answer_context)
                 sink = _Collect()
                 runner = PipelineRunner(pipeline, engine, [sink], resources=resources)
                 asks = [At(q.text, seconds=float("inf")) for q in clip.questions]

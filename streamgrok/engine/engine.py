@@ -186,7 +186,10 @@ class Engine:
         remember: bool,
         add_bos: bool | None = None,
         answer_prefix: str = "",
+        own_context: bool = False,
     ) -> Answer:
+        if own_context and remember:
+            raise ValueError("an answer over a context of its own cannot join the stream")
         sampling = sampling or SamplingParams()
         turn = question if raw else self.render_turn(session, "user", question, True)
         turn += answer_prefix  # the answer's first words, given: the model goes on from them
@@ -211,7 +214,7 @@ class Engine:
         state.metrics.asked_step = self._snapshot["steps"]
         if answer_prefix:
             out.put_nowait(AnswerDelta(answer_prefix))
-        session.pending.put(QuestionMarker(state))
+        session.pending.put(QuestionMarker(state, own_context))
         self.wake()
         return Answer(state, out, self)
 

@@ -55,10 +55,13 @@ class AppendItem:
 
 @dataclass(eq=False)
 class QuestionMarker:
-    """Where in the stream a question was asked; reached only after earlier items.
-    `answer` is the engine's AnswerState (typed loosely to keep this module standalone)."""
+    """Where in the stream a question was asked; reached only after earlier items, unless
+    it is answered over a context of its own (`own_context`: the system prompt and the
+    question alone), which waits for nothing. `answer` is the engine's AnswerState (typed
+    loosely to keep this module standalone)."""
 
     answer: object
+    own_context: bool = False
 
 
 @dataclass
@@ -68,6 +71,7 @@ class PendingQueue:
     frame_capacity: int
     text_capacity_tokens: int
     items: deque = field(default_factory=deque)
+    own_context: deque = field(default_factory=deque)  # questions that wait for no item
     dropped: Counter = field(default_factory=Counter)  # reason -> items dropped
     dropped_tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -88,6 +92,9 @@ class PendingQueue:
         first) and the waiting state note it replaces."""
         dropped = []
         with self._lock:
+            if isinstance(item, QuestionMarker) and item.own_context:
+                self.own_context.append(item)
+                return dropped
             key = getattr(item, "state_key", None)
             if key is not None:
                 old = [i for i in self.items if isinstance(i, AppendItem)
@@ -124,9 +131,18 @@ class PendingQueue:
             self.dropped_tokens += sum(len(v) for v in victims)
 
     def snapshot(self) -> list[AppendItem | QuestionMarker]:
-        """The queued items, in order, as of now."""
+        """The queued items, in order, as of now (questions of their own context first)."""
         with self._lock:
-            return list(self.items)
+            return [*self.own_context, *self.items]
+
+    def own_context_head(self) -> QuestionMarker | None:
+        """The oldest question answered over a context of its own, not yet started."""
+        with self._lock:
+            return self.own_context[0] if self.own_context else None
+
+    def pop_own_context(self) -> None:
+        with self._lock:
+            self.own_context.popleft()
 
     def claim(self, share: int) -> list[tuple[AppendItem, int, int]]:
         """Up to `share` tokens from the head appends, as (item, start, count), marked in
@@ -173,3 +189,4 @@ class PendingQueue:
     def clear(self) -> None:
         with self._lock:
             self.items.clear()
+            self.own_context.clear()

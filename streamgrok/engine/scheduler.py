@@ -214,28 +214,50 @@ class Scheduler:
     def _admit_questions(self) -> None:
         busy = any(s.answers for s in self.active_sessions())
         for session in self.active_sessions():
-            while isinstance(marker := session.pending.head(), QuestionMarker):
-                answer: AnswerState = marker.answer
-                if answer.cancel_requested.is_set():
-                    session.pending.pop_head()
-                    self._cancel_waiting(answer)
-                    continue
-                seq_id = next(self._ids)
-                try:
-                    self.cache.fork(session.seq_id, seq_id)
-                except CacheFullError as exc:
-                    if busy:
-                        break  # pages come back as running answers finish
-                    session.pending.pop_head()
-                    self._fail(answer, f"cannot start the answer: {exc}")
-                    continue
-                session.pending.pop_head()
-                answer.seq_id = seq_id
-                if self.cache.tier is not None:  # the question recalls as it is prefilled
-                    self.cache.recall_next_pass(seq_id, room=answer.sampling.max_tokens + 1)
-                session.answers[answer.answer_id] = answer
-                self.stats.answers_started += 1
-                busy = True
+            pending = session.pending
+            for head, pop in ((pending.own_context_head, pending.pop_own_context),
+                              (pending.head, pending.pop_head)):
+                while isinstance(marker := head(), QuestionMarker):
+                    outcome = self._admit(session, marker, busy)
+                    if outcome == "wait":
+                        break
+                    pop()
+                    busy = busy or outcome == "started"
+
+    def _admit(self, session: SessionState, marker: QuestionMarker, busy: bool) -> str:
+        """Start a question's sequence: "started", "ended" (cancelled or failed), or "wait"
+        (no pages now, but running answers will free some)."""
+        answer: AnswerState = marker.answer
+        if answer.cancel_requested.is_set():
+            self._cancel_waiting(answer)
+            return "ended"
+        seq_id = next(self._ids)
+        try:
+            if marker.own_context:
+                self._start_own_context(session, answer, seq_id)
+            else:
+                self.cache.fork(session.seq_id, seq_id)
+        except CacheFullError as exc:
+            if busy:
+                return "wait"
+            self._fail(answer, f"cannot start the answer: {exc}")
+            return "ended"
+        answer.seq_id = seq_id
+        if self.cache.tier is not None and not marker.own_context:
+            self.cache.recall_next_pass(seq_id, room=answer.sampling.max_tokens + 1)
+        session.answers[answer.answer_id] = answer
+        self.stats.answers_started += 1
+        return "started"
+
+    def _start_own_context(self, session: SessionState, answer: AnswerState,
+                           seq_id: int) -> None:
+        """A new sequence of the session's system prompt (its published pages shared) and
+        the question; the system tokens not shared are prefilled with the question."""
+        system = session.system_tokens
+        reused = self.cache.add_sequence(seq_id, prefix_tokens=system or None,
+                                         pinned=len(system))
+        answer.prompt = torch.cat([torch.tensor(system[reused:], dtype=torch.long),
+                                   answer.prompt])
 
     def _take_recall(self, answer: AnswerState) -> None:
         """What recall did during the question's first prefill chunk, for its metrics."""

@@ -184,6 +184,7 @@ class Session:
         remember: bool = True,
         add_bos: bool | None = None,
         answer_prefix: str = "",
+        own_context: bool = False,
     ) -> Answer:
         """Ask about everything appended so far; the answer streams as it is generated.
 
@@ -191,11 +192,14 @@ class Session:
         `remember`, the question and answer join the session's context when done. `add_bos`
         overrides the tokenizer's own choice of a leading BOS (False when the question
         continues text already appended). `answer_prefix` is the answer's given start: it is
-        the first delta, and the model continues from it.
+        the first delta, and the model continues from it. With `own_context` the question is
+        answered over the system prompt and itself alone, not the stream (a question that
+        carries what it must be answered from); it waits for nothing queued before it, and
+        cannot be remembered.
         """
         self._check_open()
         return self._engine.submit_question(self._state, question, sampling, raw, remember,
-                                            add_bos, answer_prefix)
+                                            add_bos, answer_prefix, own_context)
 
     def question_room(self) -> int | None:
         """How many tokens a question's text may have before it is refused as too large

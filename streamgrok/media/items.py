@@ -50,6 +50,8 @@ class Note:
     source: int = -1
     tags: set[str] = field(default_factory=set)
     state_key: str | None = None
+    # when the text joins several events ("; "): each with the tags of what it is about
+    events: tuple[tuple[str, frozenset[str]], ...] = ()
 
     def stamped(self) -> str:
         """The text with its time as [mm:ss]."""

@@ -110,16 +110,17 @@ class FrameObserver:
         cut = frame.scene_cut and not first
         new_scene = cut or first
         self.stats.frames += 1
-        events, tags = [], set()
+        events: list[tuple[str, str]] = []  # (what happened, the tag of what it is about)
+        tags: set[str] = set()
         if cut:
-            events.append("scene cut: a different scene")
+            events.append(("scene cut: a different scene", "cut"))
             tags.add("cut")
         detect_s = self._detect(image, frame.pts, motion, new_scene, events, tags)
         if self.colours:
             self._colour_events(image, new_scene, events, tags)
         moved = self.tracker.events(image, new_scene)
         if moved:
-            events += moved
+            events += [(line, "motion") for line in moved]
             tags.add("motion")
         self.text_schedule.stretch = self.schedule.stretch
         if self.reader is not None and \
@@ -130,11 +131,13 @@ class FrameObserver:
         if not events:
             return None
         if first:
-            events.insert(0, "first view")
-        return Note("; ".join(events), frame.pts, source=frame.index, tags=tags)
+            events.insert(0, ("first view", ""))
+        return Note("; ".join(text for text, _ in events), frame.pts, source=frame.index,
+                    tags=tags, events=tuple((text, frozenset({tag} - {""}))
+                                            for text, tag in events))
 
     def _detect(self, image: np.ndarray, pts: float, motion: float, cut: bool,
-                events: list[str], tags: set[str]) -> float:
+                events: list[tuple[str, str]], tags: set[str]) -> float:
         if not any(self.find.values()) or \
                 not self.schedule.due(pts, self._last_detection, motion, cut):
             return 0.0
@@ -148,14 +151,14 @@ class FrameObserver:
         for field_name, one, many, tag in COUNTED:
             before, now = getattr(self._counts, field_name), getattr(counts, field_name)
             if now != before:
-                events.append(count_change(now - before, now, one, many))
+                events.append((count_change(now - before, now, one, many), tag))
             if now:
                 tags.add(tag)
         self._counts = counts
         return seconds
 
-    def _colour_events(self, image: np.ndarray, new_scene: bool, events: list[str],
-                       tags: set[str]) -> None:
+    def _colour_events(self, image: np.ndarray, new_scene: bool,
+                       events: list[tuple[str, str]], tags: set[str]) -> None:
         named = dominant_colours(image)  # most common first
         colours = tuple(sorted(named))
         # a change must hold for two frames, so colours near a boundary do not flip
@@ -163,18 +166,19 @@ class FrameObserver:
         self._colour_candidate = colours
         if colours and (new_scene or (stable and colours != self._colours)):
             self._colours = colours
-            events.append("colours " + ", ".join(named))
+            events.append(("colours " + ", ".join(named), "colour"))
             tags.add("colour")
 
-    def _text_events(self, image: np.ndarray, events: list[str], tags: set[str]) -> None:
+    def _text_events(self, image: np.ndarray, events: list[tuple[str, str]],
+                     tags: set[str]) -> None:
         text = self.reader.read(image)
         if same_words(text, self._text):
             return
         if text:
-            events.append(f'text on screen: "{text}"')
+            events.append((f'text on screen: "{text}"', "text"))
             tags.add("text")
         elif self._text:
-            events.append("the text on screen is gone")
+            events.append(("the text on screen is gone", "text"))
         self._text = text
 
     def motion(self, gray: np.ndarray) -> float:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import re
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import snowballstemmer
 
 from streamgrok.media.items import Note
 from streamgrok.media.observers import COUNTED
@@ -26,6 +28,10 @@ STOP = frozenset(
     "so far you i me my we us our your please tell about from with for as by now yet ever "
     "see seen saw hear heard can could would should".split())
 
+# words that ask about scene changes only when the question names nothing else that changed
+# ("when did the person appear" asks about the person)
+CHANGE_VERBS = frozenset("change changed changes happen happened events appear appeared appears "
+                         "disappear disappeared disappears gone vanish vanished".split())
 # topic -> (words in a question that ask about it, tags of the notes that answer it, what to
 # say when no note has it)
 TOPICS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
@@ -46,9 +52,7 @@ TOPICS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
     "motion": (frozenset("move moving moved motion direction going travel travelled crossing "
                          "crossed ball object objects left right".split()),
                frozenset({"motion"}), "no moving object was seen"),
-    "change": (frozenset("cut cuts scene scenes change changed changes switch switched happen "
-                         "happened events appear appeared appears disappear disappeared "
-                         "disappears gone vanish vanished".split()),
+    "change": (frozenset("cut cuts scene scenes switch switched".split()) | CHANGE_VERBS,
                frozenset({"cut"}), "no scene change was seen"),
 }
 RECENT = 1  # the latest notes always go in: "what is happening now"
@@ -58,10 +62,17 @@ SINGULAR = {many: one for _, one, many, _ in COUNTED}
 TIMED = {"change": "scene cuts", "people": "people or faces came or went",
          "cat": "cats came or went", "text": "text on screen changed",
          "motion": "moving objects noted", "speech": "speech heard"}
+SYNONYMS = {"vanish": "gone", "disappear": "gone", "came": "appear", "arriv": "appear"}  # stems
 YES_NO = re.compile(r"^\s*(was|were|is|are|did|does|do|has|have|had|can|could)\b", re.I)
+QUOTE = re.compile(r'^said: "(.*)"( \(continues\))?$')  # audio.speech_notes
+WHO = re.compile(r"^\s*who\b", re.I)
+HOW_MANY = re.compile(r"\bhow many\b", re.I)
 WHEN = re.compile(r"^\s*(when|at what time|what time)\b|\bhow long\b", re.I)
 IN_VIEW = re.compile(r"\d+ (" + "|".join(sorted(PLURAL, key=len, reverse=True)) + r") "
                      r"(?:appeared|left) \((\d+|none) in view\)")  # observers.count_change
+
+
+Event = tuple[str, frozenset[str]]  # what happened, the tags of what it is about
 
 
 @dataclass(frozen=True)
@@ -69,9 +80,15 @@ class LoggedNote:
     text: str
     pts: float
     tags: frozenset[str]
+    events: tuple[Event, ...]  # the note's parts; a prompt may show only some
+
+    @property
+    def shown(self) -> str:
+        """The text of the events it shows."""
+        return "; ".join(text for text, _ in self.events)
 
     def line(self) -> str:
-        return f"- at {self.pts:.0f} seconds: {self.text}"
+        return f"- at {self.pts:.0f} seconds: {self.shown}"
 
 
 class NoteLog:
@@ -79,33 +96,39 @@ class NoteLog:
 
     def __init__(self, capacity: int = 2000) -> None:
         self.notes: deque[LoggedNote] = deque(maxlen=capacity)
+        self._stemmer = snowballstemmer.stemmer("english")
 
     def add(self, note: Note) -> None:
-        self.notes.append(LoggedNote(note.text, note.pts, frozenset(note.tags)))
+        tags = frozenset(note.tags)
+        self.notes.append(LoggedNote(note.text, note.pts, tags,
+                                     tuple(note.events) or ((note.text, tags),)))
 
-
-def words(text: str) -> set[str]:
-    return {w for w in WORD.findall(text.lower()) if w not in STOP}
+    def words(self, text: str) -> set[str]:
+        """The content words of `text`, stemmed ("moving" and "move" are one word)."""
+        stems = self._stemmer.stemWords([w for w in WORD.findall(text.lower())
+                                         if w not in STOP])
+        return {SYNONYMS.get(stem, stem) for stem in stems}
 
 
 def topics_of(question: str) -> list[str]:
     asked = set(WORD.findall(question.lower()))
-    return [name for name, (cues, _, _) in TOPICS.items() if asked & cues]
+    found = [name for name, (cues, _, _) in TOPICS.items() if asked & cues]
+    if found != ["change"] and not asked & (TOPICS["change"][0] - CHANGE_VERBS):
+        found = [name for name in found if name != "change"]
+    return found
 
 
 def relevant_notes(question: str, log: NoteLog, limit: int = 6) -> list[LoggedNote]:
     """The notes that bear on `question`: by topic and shared words (the latest one when
     none does, the recent story for what happened); the most relevant last, next to the
     question (a small model answers from what is nearest), equally relevant ones in stream
-    order."""
-    asked, topics = words(question), topics_of(question)
-    wanted_tags = set().union(*(TOPICS[t][1] for t in topics))
+    order. A note is shown with only its events that answer best among those on the same
+    topic: for "which way did the blue object move" the blue object's motion, not the yellow
+    one's in the same note."""
+    topics = topics_of(question)
     notes = list(log.notes)
-    score = {}
-    for index, note in enumerate(notes):
-        value = 2.0 * bool(note.tags & wanted_tags) + len(asked & words(note.text))
-        if value > 0:
-            score[index] = value
+    shown = best_events(question, topics, log)
+    score = {i: value for i, (value, _) in shown.items()}
     ranked = sorted(score, key=lambda i: (-score[i], -i))
     chosen = set(ranked[:limit])
     if not topics or "change" in topics:  # "what happened?": the whole recent story
@@ -114,17 +137,51 @@ def relevant_notes(question: str, log: NoteLog, limit: int = 6) -> list[LoggedNo
         # would only distract from the ones that answer)
         chosen |= set(range(max(0, len(notes) - RECENT), len(notes)))
     kept = sorted(chosen)[-limit * 2:]
-    return [notes[i] for i in sorted(kept, key=lambda i: (score.get(i, 0.0), i))]
+    return [replace(notes[i], events=shown[i][1]) if i in shown else notes[i]
+            for i in sorted(kept, key=lambda i: (score.get(i, 0.0), i))]
+
+
+def best_events(question: str, topics: list[str],
+                log: NoteLog) -> dict[int, tuple[float, tuple[Event, ...]]]:
+    """For each note with an event that bears on `question` (on an asked topic: 2, plus a
+    point a shared word): its best score and the events it keeps, those that score the most
+    among the events on the same asked topics (off every asked topic: the most of all)."""
+    asked = log.words(question)
+    wanted = set().union(*(TOPICS[t][1] for t in topics))
+    scored = []
+    for index, note in enumerate(log.notes):
+        for event in note.events:
+            on_topic = event[1] & wanted
+            value = 2.0 * bool(on_topic) + len(asked & log.words(event[0]))
+            if value > 0:
+                scored.append((index, event, value, on_topic))
+    best: dict[frozenset[str], float] = {}
+    for _, _, value, group in scored:
+        best[group] = max(best.get(group, 0.0), value)
+    if best:
+        best[frozenset()] = max(best.values())
+    shown: dict[int, tuple[float, tuple[Event, ...]]] = {}
+    for index, event, value, group in scored:
+        if value >= best[group]:
+            top, events = shown.get(index, (0.0, ()))
+            shown[index] = (max(top, value), (*events, event))
+    return shown
 
 
 def answer_stem(question: str, log: NoteLog) -> str:
-    """How the answer must begin: "No" for a yes/no question about something the observers
-    never noted (a person, a cat, text, motion, speech), else nothing; the model words the
-    rest. A small model otherwise answers "a cat was seen" beside "never: no cat was seen"."""
+    """How the answer must begin, where the notes decide it: "No" for a yes/no or how-many
+    question about something the observers never noted (a person, a cat, text, motion,
+    speech); for
+    "who", "A person" or "No one" as a person or face was noted or not (observers see that
+    someone is there, never who: a name can only come from what was said); else nothing.
+    The model words the rest. A small model otherwise answers "a cat was seen" beside
+    "never: no cat was seen", or names someone it made up."""
     topics = [t for t in topics_of(question) if t in TIMED and t != "change"]
-    if not topics or not YES_NO.search(question):
+    if WHO.search(question) and "people" in topics:
+        return "A person" if noted("people", log) else "No one"
+    if not topics or any(noted(t, log) for t in topics):
         return ""
-    return "" if any(noted(t, log) for t in topics) else "No"
+    return "No" if YES_NO.search(question) or HOW_MANY.search(question) else ""
 
 
 def noted(topic: str, log: NoteLog) -> bool:
@@ -154,9 +211,9 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
     With `room` (tokens, as `count` measures text) the oldest chosen notes are left out
     until the prompt fits, and the bare question goes when nothing else does (it is never
     cut)."""
-    notes = relevant_notes(question, log)
+    notes = join_speech(relevant_notes(question, log))
     missing = [TOPICS[t][2] for t in topics_of(question) if not noted(t, log)]
-    totals = counts(log) if "how many" in question.lower() else None
+    totals = counts(log, topics_of(question)) if HOW_MANY.search(question) else None
     times = timeline(question, log)
     ask = f"Using only these notes, answer in {_answer_form(question)}: {question}"
     prompt = _layout(ask, notes, missing, totals, times)
@@ -168,11 +225,31 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
     return prompt if count(prompt) <= room else question
 
 
+def join_speech(notes: list[LoggedNote], gap_s: float = 4.0) -> list[LoggedNote]:
+    """Sentences said one after another (adjacent here, in stream order, at most `gap_s`
+    apart) as one quote: asked what was said, a small model quotes one line, not two."""
+    joined: list[LoggedNote] = []
+    for note in notes:
+        before = joined[-1] if joined else None
+        first = QUOTE.match(before.shown) if before else None
+        second = QUOTE.match(note.shown) if "transcript" in note.tags else None
+        if first and second and "transcript" in before.tags and not first.group(2) \
+                and 0 <= note.pts - before.pts <= gap_s:
+            text = f'said: "{first.group(1)} {second.group(1)}"{second.group(2) or ""}'
+            joined[-1] = replace(before, text=text, events=((text, before.tags),))
+        else:
+            joined.append(note)
+    return joined
+
+
 def _answer_form(question: str) -> str:
-    """What the answer should be: a short sentence, quoting the words for what was said."""
+    """What the answer should be: a short sentence, quoting the words for what was said,
+    with the number for how many."""
     asked = topics_of(question)
     if "speech" in asked and "text" not in asked and not WHEN.search(question):
         return "one short sentence that quotes the words said"  # not a caption's words
+    if HOW_MANY.search(question):
+        return "one short sentence with the number"
     return "one short sentence"
 
 
@@ -191,8 +268,10 @@ def _layout(ask: str, notes: list[LoggedNote], missing: list[str],
     return "\n".join(lines)
 
 
-def counts(log: NoteLog) -> str:
-    """What the log adds up to: cuts, moving objects, sentences, the most in view at once."""
+def counts(log: NoteLog, topics: list[str] | tuple[str, ...] = ()) -> str:
+    """What the log adds up to: cuts, moving objects, sentences, the most in view at once;
+    only those on `topics` when any of them is counted (a small model asked how many people
+    picks another total's number when it sits beside)."""
     most: dict[str, int] = {}
     for note in log.notes:
         for kind, now in IN_VIEW.findall(note.text):
@@ -201,9 +280,14 @@ def counts(log: NoteLog) -> str:
     cuts = sum("cut" in note.tags for note in log.notes)
     movers = sum(note.text.count("object appeared") for note in log.notes)
     said = sum("transcript" in note.tags for note in log.notes)
-    parts = [f"{cuts} scene cut{'s' if cuts != 1 else ''}",
-             f"{movers} moving object{'s' if movers != 1 else ''} appeared",
-             f"{said} sentence{'s' if said != 1 else ''} said"]
-    parts += [f"at most {n} {SINGULAR.get(kind, kind) if n == 1 else kind} in view at once"
+    parts = [("change", f"{cuts} scene cut{'s' if cuts != 1 else ''}"),
+             ("motion", f"{movers} moving object{'s' if movers != 1 else ''} appeared"),
+             ("speech", f"{said} sentence{'s' if said != 1 else ''} said")]
+    parts += [("cat" if kind == "cat faces" else "people",
+               f"at most {n} {SINGULAR.get(kind, kind) if n == 1 else kind} in view at once")
               for kind, n in sorted(most.items())]
-    return "; ".join(parts)
+    asked = [text for topic, text in parts if topic in topics]
+    for topic, nobody in (("people", "no person or face"), ("cat", "no cat face")):
+        if topic in topics and not any(t == topic for t, _ in parts):
+            asked.append(f"{nobody} in view at any time")
+    return "; ".join(asked or [text for _, text in parts])

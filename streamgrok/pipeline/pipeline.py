@@ -39,6 +39,7 @@ DEFAULT_SYSTEM = (
     "You watch a live video through timestamped notes [mm:ss] of what was seen and said. "
     "Answer briefly, only from the notes; never invent names or events."
 )
+ANSWER_CONTEXTS = ("stream", "notes")
 # the default when the model sees the frames themselves (its own vision tower)
 DEFAULT_VISION_SYSTEM = (
     "You watch a live video: its frames, each after 'Frame from MM:SS:', and timestamped "
@@ -70,9 +71,19 @@ class Pipeline:
     vision_tokens: bool = True
     # questions carry the notes that bear on them (see `grounding`); False asks them bare
     grounded: bool = True
+    # what a grounded question is answered over: "stream" (the session's cache, then the
+    # question) or "notes" (the system prompt and the question with its notes alone: a small
+    # text model copies the latest similar note of a long stream over the one restated
+    # beside the question); None: "notes" unless the model sees frames in the stream
+    answer_context: str | None = None
     # what a remote client may set in session.start (everything else is server configuration)
     client_options: dict[str, ClientOption] = field(
         default_factory=lambda: dict(DEFAULT_CLIENT_OPTIONS))
+
+    def __post_init__(self) -> None:
+        if self.answer_context not in (None, *ANSWER_CONTEXTS):
+            raise ValueError(f"answer_context must be one of {', '.join(ANSWER_CONTEXTS)} "
+                             f"or None, got {self.answer_context!r}")
 
 
 @dataclass
@@ -153,6 +164,12 @@ class PipelineRunner:
             return {"kind": "clip", "tokens_per_frame": ingest.projector.tokens,
                     "clip_index": True}
         return {"kind": "notes", "tokens_per_frame": 0, "clip_index": index}
+
+    def answer_context(self) -> str:
+        """What grounded questions are answered over: "stream" or "notes" (see Pipeline)."""
+        if self.pipeline.answer_context is not None:
+            return self.pipeline.answer_context
+        return "notes" if self.vision_path()["kind"] == "notes" else "stream"
 
     def ask(self, question: str, kind: str = "answer", query_id: Any = None,
             max_tokens: int | None = None) -> Answer:
@@ -263,7 +280,8 @@ class PipelineRunner:
             prompt = grounded_prompt(question, self.notes, self.session.question_room(),
                                      lambda text: len(tokenizer.encode(text)))
             answer = self.session.ask(prompt, one_line, remember=False,
-                                      answer_prefix=answer_stem(question, self.notes))
+                                      answer_prefix=answer_stem(question, self.notes),
+                                      own_context=self.answer_context() == "notes")
         else:
             answer = self.session.ask(question, sampling)
         when = self.stats.stream_time if pts is None else pts

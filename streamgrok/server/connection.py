@@ -161,7 +161,8 @@ class ClientConnection:
         self.tasks.append(asyncio.create_task(self._stats_loop()))
         self.send("session.started", session_id=self.runner.session.id,
                   pipeline=self.runner.pipeline.name, model=self.server.loaded.name,
-                  vision=self.runner.vision_path(), replica=self.server.replica,
+                  vision=self.runner.vision_path(), answers=self.runner.answer_context(),
+                  replica=self.server.replica,
                   id=message.get("id"))
 
     def open_session(self, options: dict | None, message_id: Any = None) -> None:
