@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_
 from streamgrok.model.llama import Transformer, fuse_projections
 from streamgrok.model.quantized import QuantizedRows, quantized_rows
 from streamgrok.model.tokenizer import Tokenizer
+from streamgrok.runtime import release_free_memory
 
 if TYPE_CHECKING:
     from streamgrok.vision.encoder import VisionEncoder
@@ -169,7 +171,17 @@ def load_model(
     one matmul each (`fuse_projections`; off keeps the checkpoint's module names)."""
     if weights not in ("auto", "f32", "bf16", "q8", "q4"):
         raise ValueError(f"unknown weight format {weights!r} (auto, f32, bf16, q8, q4)")
-    source = Path(path) if path is not None else default_model_path()
+    loaded = _load(Path(path) if path is not None else default_model_path(), dtype, device,
+                   weights, fuse, mmproj)
+    # the float temporaries of reading and quantizing (hundreds of MB) stay in the C heap,
+    # which the steady allocator thresholds never trim: give them back now
+    gc.collect()
+    release_free_memory()
+    return loaded
+
+
+def _load(source: Path, dtype: torch.dtype, device: torch.device | str, weights: str,
+          fuse: bool, mmproj: str | Path | None) -> LoadedModel:
     if source.is_dir():
         raw = read_json(source / "config.json")
         config = config_from_hf(source, raw)
