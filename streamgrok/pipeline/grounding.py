@@ -15,6 +15,7 @@ import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import snowballstemmer
 
@@ -72,7 +73,12 @@ IN_VIEW = re.compile(r"\d+ (" + "|".join(sorted(PLURAL, key=len, reverse=True)) 
                      r"(?:appeared|left) \((\d+|none) in view\)")  # observers.count_change
 
 
-Event = tuple[str, frozenset[str]]  # what happened, the tags of what it is about
+class Event(NamedTuple):
+    """One thing a note says happened."""
+
+    text: str
+    tags: frozenset[str]  # what it is about
+    words: frozenset[str] = frozenset()  # its content words, stemmed once when logged
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,7 @@ class LoggedNote:
     @property
     def shown(self) -> str:
         """The text of the events it shows."""
-        return "; ".join(text for text, _ in self.events)
+        return "; ".join(event.text for event in self.events)
 
     def line(self) -> str:
         return f"- at {self.pts:.0f} seconds: {self.shown}"
@@ -100,8 +106,10 @@ class NoteLog:
 
     def add(self, note: Note) -> None:
         tags = frozenset(note.tags)
-        self.notes.append(LoggedNote(note.text, note.pts, tags,
-                                     tuple(note.events) or ((note.text, tags),)))
+        events = tuple(note.events) or ((note.text, tags),)
+        self.notes.append(LoggedNote(note.text, note.pts, tags, tuple(
+            Event(text, frozenset(about), frozenset(self.words(text)))
+            for text, about in events)))
 
     def words(self, text: str) -> set[str]:
         """The content words of `text`, stemmed ("moving" and "move" are one word)."""
@@ -151,8 +159,8 @@ def best_events(question: str, topics: list[str],
     scored = []
     for index, note in enumerate(log.notes):
         for event in note.events:
-            on_topic = event[1] & wanted
-            value = 2.0 * bool(on_topic) + len(asked & log.words(event[0]))
+            on_topic = event.tags & wanted
+            value = 2.0 * bool(on_topic) + len(asked & event.words)
             if value > 0:
                 scored.append((index, event, value, on_topic))
     best: dict[frozenset[str], float] = {}
@@ -236,7 +244,7 @@ def join_speech(notes: list[LoggedNote], gap_s: float = 4.0) -> list[LoggedNote]
         if first and second and "transcript" in before.tags and not first.group(2) \
                 and 0 <= note.pts - before.pts <= gap_s:
             text = f'said: "{first.group(1)} {second.group(1)}"{second.group(2) or ""}'
-            joined[-1] = replace(before, text=text, events=((text, before.tags),))
+            joined[-1] = replace(before, text=text, events=(Event(text, before.tags),))
         else:
             joined.append(note)
     return joined
