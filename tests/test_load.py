@@ -107,3 +107,12 @@ def test_a_server_left_idle_admits_again_at_once():
     assert gov.admit(8)  # at the floor and slow: busy
     gov.tick(reading(cpu=0.1, ttft_s=gov.recent_ttft(0.0), sessions=0))  # everyone left
     assert gov.admit(0) == "" and gov.recent_ttft(1e9) == 0.0
+
+
+def test_the_drain_rate_is_read_only_from_ticks_busy_from_start_to_end():
+    from streamgrok.server.load import drain_rate
+
+    assert drain_rate(100, 2.0, True, True) == 50.0
+    assert drain_rate(1, 2.0, True, False) is None  # the answer ended early in the tick
+    assert drain_rate(40, 2.0, False, True) is None  # it began during the tick
+    assert drain_rate(0, 2.0, True, True) is None

@@ -264,7 +264,7 @@ def _answer_form(question: str) -> str:
 def _layout(ask: str, notes: list[LoggedNote], missing: list[str],
             totals: str | None, times: str | None = None) -> str:
     lines = ["Notes (time, what was seen or heard):"]
-    lines += [note.line() for note in notes] or ["- nothing yet"]
+    lines += [note.line() for note in notes] or ["- nothing seen or heard yet"]
     if missing:
         lines.append("- never: " + "; ".join(missing))
     if totals:

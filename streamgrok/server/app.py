@@ -31,7 +31,7 @@ from streamgrok.pipeline.pipeline import Pipeline
 from streamgrok.pipeline.resources import SharedResources
 from streamgrok.server.access import Access
 from streamgrok.server.connection import ClientConnection
-from streamgrok.server.load import CpuMeter, LoadGovernor, LoadLimits, LoadReading
+from streamgrok.server.load import CpuMeter, LoadGovernor, LoadLimits, LoadReading, drain_rate
 from streamgrok.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -221,10 +221,8 @@ class StreamgrokServer:
             answering = self.backlog_tokens() > 0
             await asyncio.sleep(self.config.load_tick_s)
             new_decoded, now = self.engine.snapshot()["decode_tokens"], time.monotonic()
-            # tokens a second the engine decoded, measured over ticks that began with answers
-            # in flight (the rate a backlog of answers drains at)
-            rate = (new_decoded - decoded) / (now - since) \
-                if answering and new_decoded > decoded else None
+            rate = drain_rate(new_decoded - decoded, now - since, answering,
+                              self.backlog_tokens() > 0)
             decoded, since = new_decoded, now
             drops = self.drops()
             frames = self.closed_frames + sum(c.frame_index for c in self.connections

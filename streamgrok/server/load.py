@@ -161,6 +161,17 @@ class LoadGovernor:
         return ""
 
 
+def drain_rate(decoded: int, seconds: float, busy_before: bool,
+               busy_after: bool) -> float | None:
+    """Tokens a second a backlog of answers drains at, from one tick: only a tick with
+    answers in flight from its start to its end measures it (one whose answers finished early
+    would count its idle rest as slowness: a 2 s tick that decoded an answer's last token
+    reads 0.5 tokens/s); None when the tick does not."""
+    if not (busy_before and busy_after) or decoded <= 0 or seconds <= 0:
+        return None
+    return decoded / seconds
+
+
 class CpuMeter:
     """CPU used by this process and its child processes (media workers, demuxers) between
     two reads, as a fraction of all the machine's cores."""
