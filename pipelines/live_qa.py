@@ -27,4 +27,7 @@ def build_pipeline(options: dict) -> Pipeline:
         ),
         clip=clip,
         projector=projector,
+        # server configuration: what questions are answered over, "notes" or "stream"
+        # (default: notes for a text model, see Pipeline.answer_context)
+        answer_context=option(options, "answer_context", None, str),
     )

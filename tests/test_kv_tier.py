@@ -338,13 +338,16 @@ async def test_server_reports_recall_in_answers_stats_and_metrics(tiny_loaded):
         async with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
             await ws.send(json.dumps({"type": "session.start", "id": "s1"}))
             await ws.send(json.dumps({"type": "query", "id": "q", "text": "what is there?"}))
-            done = stats = None
+            done = stats = started = None
             while done is None or stats is None:
                 message = json.loads(await asyncio.wait_for(ws.recv(), 30))
-                if message["type"] == "response.done":
+                if message["type"] == "session.started":
+                    started = message
+                elif message["type"] == "response.done":
                     done = message
                 elif message["type"] == "stats" and done is not None:
                     stats = message
+        assert started["answers"] == "stream"  # a host tier recalls the stream for answers
         assert done["kv_hit_rate"] == 1.0 and done["recalled_tokens"] == 0  # nothing evicted
         assert stats["host_tier"]["recalls"] == 1
         assert stats["host_tier"]["bytes_capacity"] > 0

@@ -159,6 +159,14 @@ def test_loading_errors_are_named(tmp_path):
         load_pipeline(failing)
 
 
+def test_what_questions_are_answered_over_is_server_configuration():
+    chosen = load_pipeline(PIPELINES / "live_qa.py", {"answer_context": "stream"})
+    assert chosen.answer_context == "stream"
+    assert load_pipeline(PIPELINES / "live_qa.py", {}).answer_context is None  # auto
+    with pytest.raises(ValueError, match="answer_context"):
+        load_pipeline(PIPELINES / "live_qa.py", {"answer_context": "everything"})
+
+
 def test_parse_time():
     assert parse_time("10s") == 10 and parse_time("1:30") == 90 and parse_time("1m30s") == 90
     assert parse_time("2.5") == 2.5

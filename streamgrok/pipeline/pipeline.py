@@ -74,7 +74,8 @@ class Pipeline:
     # what a grounded question is answered over: "stream" (the session's cache, then the
     # question) or "notes" (the system prompt and the question with its notes alone: a small
     # text model copies the latest similar note of a long stream over the one restated
-    # beside the question); None: "notes" unless the model sees frames in the stream
+    # beside the question); None: "notes" unless the model sees frames in the stream or
+    # the cache recalls evicted KV from a host tier
     answer_context: str | None = None
     # what a remote client may set in session.start (everything else is server configuration)
     client_options: dict[str, ClientOption] = field(
@@ -166,10 +167,13 @@ class PipelineRunner:
         return {"kind": "notes", "tokens_per_frame": 0, "clip_index": index}
 
     def answer_context(self) -> str:
-        """What grounded questions are answered over: "stream" or "notes" (see Pipeline)."""
+        """What grounded questions are answered over: "stream" or "notes" (see Pipeline);
+        by default the stream when the model sees frames in it, or when the server keeps
+        evicted KV in a host tier to recall it."""
         if self.pipeline.answer_context is not None:
             return self.pipeline.answer_context
-        return "notes" if self.vision_path()["kind"] == "notes" else "stream"
+        recalls = getattr(self.engine.cache, "tier", None) is not None
+        return "notes" if self.vision_path()["kind"] == "notes" and not recalls else "stream"
 
     def ask(self, question: str, kind: str = "answer", query_id: Any = None,
             max_tokens: int | None = None) -> Answer:
