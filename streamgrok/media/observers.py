@@ -133,7 +133,7 @@ class FrameObserver:
         if first:
             events.insert(0, ("first view", ""))
         return Note("; ".join(text for text, _ in events), frame.pts, source=frame.index,
-                    tags=tags, events=tuple((text, frozenset({tag} - {""}))
+                    tags=tags, events=tuple((text, frozenset({tag}) if tag else frozenset())
                                             for text, tag in events))
 
     def _detect(self, image: np.ndarray, pts: float, motion: float, cut: bool,

@@ -179,11 +179,10 @@ def best_events(question: str, topics: list[str],
 def answer_stem(question: str, log: NoteLog) -> str:
     """How the answer must begin, where the notes decide it: "No" for a yes/no or how-many
     question about something the observers never noted (a person, a cat, text, motion,
-    speech); for
-    "who", "A person" or "No one" as a person or face was noted or not (observers see that
-    someone is there, never who: a name can only come from what was said); else nothing.
-    The model words the rest. A small model otherwise answers "a cat was seen" beside
-    "never: no cat was seen", or names someone it made up."""
+    speech); for "who", "A person" or "No one" as a person or face was noted or not
+    (observers see that someone is there, never who: a name can only come from what was
+    said); else nothing. The model words the rest. A small model otherwise answers "a cat
+    was seen" beside "never: no cat was seen", or names someone it made up."""
     topics = [t for t in topics_of(question) if t in TIMED and t != "change"]
     if WHO.search(question) and "people" in topics:
         return "A person" if noted("people", log) else "No one"
@@ -220,8 +219,9 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
     until the prompt fits, and the bare question goes when nothing else does (it is never
     cut)."""
     notes = join_speech(relevant_notes(question, log))
-    missing = [TOPICS[t][2] for t in topics_of(question) if not noted(t, log)]
-    totals = counts(log, topics_of(question)) if HOW_MANY.search(question) else None
+    topics = topics_of(question)
+    missing = [TOPICS[t][2] for t in topics if not noted(t, log)]
+    totals = counts(log, topics) if HOW_MANY.search(question) else None
     times = timeline(question, log)
     ask = f"Using only these notes, answer in {_answer_form(question)}: {question}"
     prompt = _layout(ask, notes, missing, totals, times)
