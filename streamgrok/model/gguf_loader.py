@@ -51,6 +51,7 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "norm.weight",
     "output.weight": "output.weight",
 }
+DEQUANTIZE_BLOCK_BYTES = 1 << 20  # quantized bytes dequantized at a time
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 # Architectures whose GGUF converter permutes q/k rows for adjacent-pair rotary.
@@ -65,6 +66,12 @@ class GGUFContents:
     metadata: dict[str, Any]
     reader: GGUFReader
     path: Path
+
+    def release_metadata(self) -> None:
+        """Drop the decoded metadata and the reader's fields (a vocabulary's strings are
+        over 100 MB as Python objects); the tensors stay readable."""
+        self.metadata = {}
+        self.reader.fields.clear()
 
 
 def open_gguf(path: str | Path) -> GGUFContents:
@@ -176,11 +183,29 @@ def tensor_array(tensor: Any, path: Path) -> np.ndarray:
             f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
         )
     try:
-        return dequantize(tensor.data, qtype)
+        return _dequantized_by_rows(tensor.data, qtype)
     except Exception as exc:
         raise ModelLoadError(
             f"{path}: tensor {tensor.name} could not be read (truncated or corrupt file): {exc}"
         ) from exc
+
+
+def _dequantized_by_rows(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """`dequantize` a block of rows at a time into one float32 array: its temporaries are
+    several times the output, which for a large table (a 49k-row embedding) is hundreds of
+    MB."""
+    if data.ndim < 2 or qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                  GGMLQuantizationType.BF16):
+        return dequantize(data, qtype)
+    step = max(1, DEQUANTIZE_BLOCK_BYTES // max(1, data[0].nbytes))
+    first = dequantize(data[:step], qtype)
+    if len(data) <= step:
+        return first
+    out = np.empty((len(data), *first.shape[1:]), dtype=first.dtype)
+    out[:step] = first
+    for start in range(step, len(data), step):
+        out[start:start + step] = dequantize(data[start:start + step], qtype)
+    return out
 
 
 def writable_float32(array: np.ndarray) -> np.ndarray:

@@ -73,24 +73,22 @@ def build_model(
     linears = {f"{name}.weight" for name, module in model.named_modules()
                if isinstance(module, torch.nn.Linear)}
     state: dict[str, torch.Tensor] = {}
-    rows: dict[str, QuantizedRows] = {}
+    packed = _PackedAsRead(config.num_layers, fuse)
     for name, tensor in tensors:
         if quantize and name in linears:
-            rows[name] = quantized_rows(tensor.to(device), weights)
+            _check_shape(model, name, tensor)
+            packed.add(name, quantized_rows(tensor.to(device), weights))
         else:
             state[name] = tensor.to(device)
-    if config.tie_embeddings and "output.weight" not in state and "output.weight" not in rows:
+    if config.tie_embeddings and "output.weight" not in state and \
+            "output.weight" not in packed.names:
         if quantize and "embed.weight" in state:
-            rows["output.weight"] = quantized_rows(state["embed.weight"], weights)
+            packed.add("output.weight", quantized_rows(state["embed.weight"], weights))
         else:
             state.setdefault("output.weight", state.get("embed.weight"))
-    _check_names(model, config, set(state) | set(rows))
-    for name, tensor in [*state.items(), *((n, r.values) for n, r in rows.items())]:
-        want = model.get_parameter(name).shape
-        if tensor.shape != want:
-            raise ModelLoadError(
-                f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(want)}"
-            )
+    _check_names(model, config, set(state) | packed.names)
+    for name, tensor in state.items():
+        _check_shape(model, name, tensor)
     if not quantize:
         model.load_state_dict(state, assign=True, strict=True)
         model.tie_weights()
@@ -100,8 +98,58 @@ def build_model(
             lay_out_for_cpu(model)
         return model.eval().requires_grad_(False)
     model.load_state_dict(state, assign=True, strict=False)
-    _install_quantized(model, rows, state, fuse)
+    packed.install(model, state)
     return model.eval().requires_grad_(False)
+
+
+def _check_shape(model: Transformer, name: str, tensor: torch.Tensor) -> None:
+    want = model.get_parameter(name).shape
+    if tensor.shape != want:
+        raise ModelLoadError(
+            f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
+
+
+class _PackedAsRead:
+    """Quantized projections packed into their layers as soon as every part of a layer has
+    been read (q, k and v for a fused `wqkv`; gate and up for `w_gate_up`), so the unpacked
+    levels of only a few weights are in memory at once."""
+
+    def __init__(self, num_layers: int, fuse: bool) -> None:
+        self.parts: dict[str, list[str]] = {}  # fused module path -> the weights it joins
+        if fuse:
+            for i in range(num_layers):
+                attn, ffn = f"layers.{i}.attn", f"layers.{i}.ffn"
+                self.parts[f"{attn}.wqkv"] = [f"{attn}.{p}" for p in ("wq", "wk", "wv")]
+                self.parts[f"{ffn}.w_gate_up"] = [f"{ffn}.w_gate", f"{ffn}.w_up"]
+        self.fused_into = {part: path for path, parts in self.parts.items() for part in parts}
+        self.names: set[str] = set()
+        self.waiting: dict[str, QuantizedRows] = {}
+        self.layers: dict[str, torch.nn.Module] = {}  # module path -> packed layer, no bias
+
+    def add(self, name: str, rows: QuantizedRows) -> None:
+        self.names.add(name)
+        module = name.removesuffix(".weight")
+        path = self.fused_into.get(module)
+        if path is None:
+            self.layers[module] = rows.linear()
+            return
+        self.waiting[module] = rows
+        if all(part in self.waiting for part in self.parts[path]):
+            self.layers[path] = QuantizedRows.concat(
+                [self.waiting.pop(part) for part in self.parts[path]]).linear()
+
+    def install(self, model: Transformer, state: dict[str, torch.Tensor]) -> None:
+        """Put the packed layers (with their biases from `state`) where the meta linears
+        are."""
+        for path, layer in self.layers.items():
+            biases = [state.get(f"{part}.bias") for part in self.parts.get(path, [path])]
+            if biases[0] is not None:
+                layer.bias = torch.nn.Parameter(torch.cat(biases), requires_grad=False)
+            parent_path, _, child = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            for part in self.parts.get(path, []):
+                delattr(parent, part.rpartition(".")[2])
+            setattr(parent, child, layer)
 
 
 def _check_names(model: Transformer, config: ModelConfig, names: set[str]) -> None:
@@ -114,29 +162,6 @@ def _check_names(model: Transformer, config: ModelConfig, names: set[str]) -> No
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
-
-
-def _install_quantized(model: Transformer, rows: dict[str, QuantizedRows],
-                       state: dict[str, torch.Tensor], fuse: bool) -> None:
-    """Put the packed quantized layers where the meta linears are."""
-    def bias(prefix: str) -> torch.Tensor | None:
-        return state.get(f"{prefix}.bias")
-
-    model.output = rows.pop("output.weight").linear()
-    for i, block in enumerate(model.layers):
-        attn, ffn = f"layers.{i}.attn", f"layers.{i}.ffn"
-        if fuse:
-            parts = [f"{attn}.{p}" for p in ("wq", "wk", "wv")]
-            biases = [bias(p) for p in parts]
-            block.attn.wqkv = QuantizedRows.concat([rows.pop(f"{p}.weight") for p in parts]) \
-                .linear(None if biases[0] is None else torch.cat(biases))
-            block.ffn.w_gate_up = QuantizedRows.concat(
-                [rows.pop(f"{ffn}.w_gate.weight"), rows.pop(f"{ffn}.w_up.weight")]).linear()
-            del block.attn.wq, block.attn.wk, block.attn.wv, block.ffn.w_gate, block.ffn.w_up
-    for name, quantized in rows.items():  # the rest, one module each
-        path = name.removesuffix(".weight")
-        parent_path, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent_path), child, quantized.linear(bias(path)))
 
 
 def lay_out_for_cpu(model: Transformer) -> None:
@@ -193,6 +218,7 @@ def _load(source: Path, dtype: torch.dtype, device: torch.device | str, weights:
         contents = open_gguf(source)
         config = contents.config
         tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
+        contents.release_metadata()
         model = build_model(config, iter_state_dict(contents, dtype), device, weights, fuse)
         vision = None
     else:

@@ -19,6 +19,7 @@ from torch import nn
 WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
 Q4_GROUP = 32
 Q4_INNER_K_TILES = 2
+QUANTIZE_BLOCK_ELEMENTS = 1 << 21  # weights quantized per block of rows (8 MB of float32)
 
 
 @dataclass
@@ -34,18 +35,21 @@ class QuantizedRows:
 
     @staticmethod
     def of(weight: torch.Tensor, kind: str) -> QuantizedRows:
-        w = weight.detach().float()
-        if kind == "q8":
-            scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-            values = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-            return QuantizedRows(kind, values, scales)
-        out_features, in_features = w.shape
-        groups = w.view(out_features, in_features // Q4_GROUP, Q4_GROUP)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scales = ((high - low) / 15.0).clamp(min=1e-8)
-        values = torch.round((groups - low) / scales).clamp(0, 15).to(torch.uint8)
-        return QuantizedRows(kind, values.view(out_features, in_features), scales[..., 0],
-                             (low + scales * 8.0)[..., 0])
+        """`weight` quantized as `kind`, a block of rows at a time (so the float
+        temporaries stay small next to a large weight such as a tied output head)."""
+        out_features, in_features = weight.shape
+        device = weight.device
+        values = torch.empty(out_features, in_features, device=device,
+                             dtype=torch.int8 if kind == "q8" else torch.uint8)
+        groups = 1 if kind == "q8" else in_features // Q4_GROUP
+        scales = torch.empty(out_features, groups, device=device)
+        zeros = None if kind == "q8" else torch.empty(out_features, groups, device=device)
+        step = max(1, QUANTIZE_BLOCK_ELEMENTS // in_features)
+        for first in range(0, out_features, step):
+            rows = slice(first, first + step)
+            _quantize_block(weight[rows].detach().float(), kind, values[rows], scales[rows],
+                            None if zeros is None else zeros[rows])
+        return QuantizedRows(kind, values, scales[:, 0] if kind == "q8" else scales, zeros)
 
     @staticmethod
     def concat(parts: list[QuantizedRows]) -> QuantizedRows:
@@ -57,6 +61,24 @@ class QuantizedRows:
         """The packed linear layer of these rows."""
         return Int8Linear.from_rows(self, bias) if self.kind == "q8" else \
             Int4Linear.from_rows(self, bias)
+
+
+def _quantize_block(w: torch.Tensor, kind: str, values: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None) -> None:
+    """Quantize float32 rows `w` into the given output views."""
+    if kind == "q8":
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+        values.copy_(torch.round(w / scale).clamp(-127, 127))
+        scales.copy_(scale)
+        return
+    rows, in_features = w.shape
+    groups = w.view(rows, in_features // Q4_GROUP, Q4_GROUP)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15.0).clamp(min=1e-8)
+    values.copy_(torch.round((groups - low) / scale).clamp(0, 15).view(rows, in_features))
+    scales.copy_(scale[..., 0])
+    assert zeros is not None
+    zeros.copy_((low + scale * 8.0)[..., 0])
 
 
 def quantized_rows(weight: torch.Tensor, weights: str) -> QuantizedRows:
@@ -131,8 +153,7 @@ class Int4Linear(nn.Module):
         out_features, in_features = q.shape
         self.on_cpu = cpu_kernel
         if self.on_cpu:  # the layout PyTorch's CPU kernel reads
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                q.to(torch.int32), Q4_INNER_K_TILES)
+            packed = _pack_for_cpu(q)
         else:  # two values a byte, dequantized per call
             packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
         self.register_buffer("packed", packed)
@@ -168,6 +189,18 @@ class Int4Linear(nn.Module):
         scales = self.scales_and_zeros[..., 0].t().float().repeat_interleave(Q4_GROUP, dim=1)
         zeros = self.scales_and_zeros[..., 1].t().float().repeat_interleave(Q4_GROUP, dim=1)
         return ((q - 8.0) * scales + zeros).to(dtype)
+
+
+def _pack_for_cpu(levels: torch.Tensor) -> torch.Tensor:
+    """uint8 levels [out, in] in the layout of PyTorch's CPU int4 kernel, packed a block of
+    rows at a time (its int32 input is 4 bytes a weight). The kernel packs rows in blocks
+    of 64, so blocks of a multiple of 64 rows give exactly the whole weight's packing."""
+    out_features, in_features = levels.shape
+    step = max(64, QUANTIZE_BLOCK_ELEMENTS // in_features // 64 * 64)
+    return torch.cat([
+        torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            levels[first:first + step].to(torch.int32), Q4_INNER_K_TILES)
+        for first in range(0, out_features, step)])
 
 
 def quantize_model(model: nn.Module, weights: str) -> nn.Module:

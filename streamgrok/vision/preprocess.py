@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torchvision.transforms.v2 import InterpolationMode
-from torchvision.transforms.v2 import functional as tvF
 
 from streamgrok.vision.config import PreprocessConfig
 
-_FILTERS = {"lanczos": InterpolationMode.LANCZOS, "bicubic": InterpolationMode.BICUBIC,
-            "bilinear": InterpolationMode.BILINEAR}
 MAX_SIDE = 4096  # the processors' cap on a resized side
 
 
@@ -48,8 +44,13 @@ class FramePreprocessor:
     """RGB uint8 frames [H, W, 3] -> float32 [n, 3, S, S]."""
 
     def __init__(self, config: PreprocessConfig) -> None:
+        # torchvision (~90 MB resident, seconds to import) loads only where frames are resized
+        from torchvision.transforms.v2 import InterpolationMode
+        from torchvision.transforms.v2 import functional
+
         self.config = config
-        self.filter = _FILTERS[config.resample]
+        self.filter = InterpolationMode(config.resample)
+        self._resize_image = functional.resize
         scale = 1 / 255.0  # rescale folded into the normalisation, as the processors do
         self.mean = torch.tensor(config.mean, dtype=torch.float32).view(3, 1, 1) / scale
         self.std = torch.tensor(config.std, dtype=torch.float32).view(3, 1, 1) / scale
@@ -79,4 +80,4 @@ class FramePreprocessor:
     def _resize(self, image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         if tuple(image.shape[-2:]) == size:
             return image
-        return tvF.resize(image, list(size), interpolation=self.filter, antialias=True)
+        return self._resize_image(image, list(size), interpolation=self.filter, antialias=True)
