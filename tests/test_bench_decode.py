@@ -21,6 +21,11 @@ def test_decode_bench_measures_each_format_against_float32(tmp_path, capsys):
             assert column[key] > 0, (column["weights"], key)
     assert columns[0]["top1_agreement"] == 1.0 and columns[0]["kl_nats"] == 0.0
     assert 0 <= columns[2]["top1_agreement"] <= 1 and columns[2]["kl_nats"] >= 0
+    # agreement is over every position of the text, not only its last token's logits
+    tokens = columns[2]["agreement_tokens"]
+    assert tokens > 16 and all(c["agreement_tokens"] == tokens for c in columns)
+    agreed = columns[2]["top1_agreement"] * tokens
+    assert abs(agreed - round(agreed)) < 1e-6
     assert columns[1]["weight_mb"] < columns[0]["weight_mb"]
     printed = capsys.readouterr().out
     assert "decode 2 seq @32 tok/s" in printed and "q8/f32" in printed

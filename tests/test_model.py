@@ -66,14 +66,16 @@ def test_gqa_attention_equals_naive_reference(heads, kv_heads):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_batch_of_four_equals_four_singles(tiny):
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [3, 1, 0, 2], [1, 2, 3, 4]])
+def test_batch_of_four_equals_four_singles(tiny, slots):
+    """Consecutive slots decode over a view of the cache, any others over an index."""
     torch.manual_seed(2)
     prompts = [torch.randint(0, tiny.config.vocab_size, (n,)).tolist() for n in (5, 17, 9, 12)]
-    batched = ContiguousKVCache(tiny.config, 4, 64)
+    batched = ContiguousKVCache(tiny.config, 5, 64)
     singles = [ContiguousKVCache(tiny.config, 1, 64) for _ in prompts]
     feeds = prompts
     for _ in range(6):
-        batch = BatchMetadata.build(range(4), [len(f) for f in feeds])
+        batch = BatchMetadata.build(slots, [len(f) for f in feeds])
         logits = tiny(torch.tensor(sum(feeds, [])), batch, batched)
         expected = torch.cat([
             tiny(torch.tensor(f), BatchMetadata.build([0], [len(f)]), cache)

@@ -14,6 +14,8 @@ from pathlib import Path
 from streamgrok.bench.llama_cpp_peer import PeerUnavailable, find_binaries, run_peer
 from streamgrok.bench.timing import measurement_env
 
+AGREEMENT_TOKENS = 512
+
 
 def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
                      prompt_tokens: int = 512, batches: list[int] | None = None,
@@ -31,7 +33,8 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
     weights = ["f32", *[w for w in weights if w != "f32"]]  # the accuracy reference first
     print(f"model {model_path.name}  threads {threads}  prefill {prompt_tokens} tokens  "
           f"batch 1 at {batch1_context} tokens, sequences at {context}+{steps} tokens  "
-          f"median of {repeats}", flush=True)
+          f"median of {repeats}; accuracy teacher-forced over {AGREEMENT_TOKENS} tokens of prose",
+          flush=True)
     columns: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch:
         reference = str(Path(scratch) / "f32_logprobs.npy")
@@ -39,7 +42,7 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
             spec = {"model": str(model_path), "weights": fmt, "threads": threads,
                     "prompt_tokens": prompt_tokens, "batches": batches, "context": context,
                     "batch1_context": batch1_context, "steps": steps, "repeats": repeats,
-                    "reference_logprobs": reference, "agreement_tokens": 512}
+                    "reference_logprobs": reference, "agreement_tokens": AGREEMENT_TOKENS}
             columns.append(_worker(spec, Path(scratch)))
             print(f".. {fmt} done", file=sys.stderr, flush=True)
     if peer == "llama.cpp":

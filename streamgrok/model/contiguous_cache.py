@@ -66,7 +66,7 @@ class ContiguousKVCache:
             total = max(starts) + 1
             lengths = torch.tensor(starts, device=device) + 1
             mask = torch.arange(total, device=device)[None, :] < lengths[:, None]
-            decode = (torch.tensor(batch.seq_ids, device=device), total, mask[:, None, None, :])
+            decode = (_slots(batch.seq_ids, device), total, mask[:, None, None, :])
         batch.backend_state = _StepState(starts, cos, sin, decode)
 
     def attend(
@@ -106,13 +106,23 @@ class ContiguousKVCache:
         return out.transpose(0, 1).to(q.dtype)
 
     def _decode(
-        self, layer: int, q: torch.Tensor, slots: torch.Tensor, total: int, mask: torch.Tensor
+        self, layer: int, q: torch.Tensor, slots: torch.Tensor | slice, total: int,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
         keys = self.k[layer, slots, :, :total]
         values = self.v[layer, slots, :, :total]
         out = F.scaled_dot_product_attention(
             q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True)
         return out[:, :, 0, :].to(q.dtype)
+
+
+def _slots(seq_ids: list[int], device: torch.device) -> torch.Tensor | slice:
+    """The cache rows of a decode batch: a slice (a view, no copy of the keys) when the
+    sequences are consecutive slots in order, else an index tensor."""
+    first = seq_ids[0]
+    if seq_ids == list(range(first, first + len(seq_ids))):
+        return slice(first, first + len(seq_ids))
+    return torch.tensor(seq_ids, device=device)
 
 
 @dataclass
@@ -122,4 +132,4 @@ class _StepState:
     starts: list[int]
     cos: torch.Tensor
     sin: torch.Tensor
-    decode: tuple[torch.Tensor, int, torch.Tensor] | None  # slots, total keys, mask
+    decode: tuple[torch.Tensor | slice, int, torch.Tensor] | None  # slots, total keys, mask
