@@ -12,6 +12,7 @@ from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.loader import load_model
 from streamgrok.model.quantized import Int4Linear, Int8Linear, quantize_model
+from streamgrok.model.quantized_embedding import Int8Embedding
 
 
 @pytest.mark.parametrize("kind, error", [(Int8Linear, 0.012), (Int4Linear, 0.1)])
@@ -62,12 +63,15 @@ def test_a_quantized_model_decodes_like_the_float_one(tmp_path, weights, agreeme
     path = write_gguf(tmp_path / "tiny.gguf", random_model(config))
     exact, quantized = load_model(path), load_model(path, weights=weights)
     assert quantized.model.weight_bytes() < exact.model.weight_bytes() * 0.6
+    assert isinstance(quantized.model.embed, Int8Embedding)
+    assert quantized.model.dtype == torch.float32
     ids = torch.randint(0, config.vocab_size, (96,))
     logits = []
     for loaded in (exact, quantized):
         cache = ContiguousKVCache(config, 1, 96, torch.float32, "cpu")
-        batch = BatchMetadata.build([0], [96], "cpu")
+        batch = BatchMetadata([0], [96], logit_rows=torch.arange(96))  # every position
         logits.append(loaded.model(ids, batch, cache))
+    assert logits[1].shape == (96, config.vocab_size)
     same_top1 = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
     assert same_top1 >= agreement
     assert logits[1].dtype == torch.float32 and torch.isfinite(logits[1]).all()
@@ -87,3 +91,29 @@ def test_quantizing_while_loading_equals_quantizing_the_loaded_model(tmp_path, w
         cache = ContiguousKVCache(config, 1, 40, torch.float32, "cpu")
         outs.append(model(ids, BatchMetadata.build([0], [40], "cpu"), cache))
     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+
+
+def test_int8_embedding_rows_are_within_half_a_step_of_the_table():
+    torch.manual_seed(3)
+    table = torch.randn(300, 96) * torch.logspace(-3, 0, 300)[:, None]  # rows of any scale
+    embed = Int8Embedding.of(table)
+    assert embed.values.dtype == torch.int8 and embed.values.shape == (300, 96)
+    ids = torch.tensor([[0, 299], [17, 17]])
+    rows = embed(ids)
+    assert rows.shape == (2, 2, 96) and rows.dtype == table.dtype
+    step = table.view(300, 3, 32).abs().amax(-1).repeat_interleave(32, dim=1) / 127
+    assert ((embed.dequantized() - table).abs() <= step / 2 + 1e-7).all()
+    torch.testing.assert_close(rows[1, 0], embed.dequantized()[17])
+    with pytest.raises(ValueError, match="divisible by 32"):
+        Int8Embedding.of(torch.randn(4, 40))
+
+
+def test_a_table_already_in_groups_of_int8_comes_back_exactly():
+    """GGUF's Q8_0 rows (int8 times a scale per 32) requantize to the same values."""
+    torch.manual_seed(4)
+    levels = torch.randint(-127, 128, (64, 64)).float()
+    levels[:, 0], levels[:, 32] = 127, -127  # each group reaches the full range, as Q8_0 does
+    scales = torch.rand(64, 2) * 0.01 + 1e-4
+    table = (levels.view(64, 2, 32) * scales[..., None]).view(64, 64)
+    torch.testing.assert_close(Int8Embedding.of(table).dequantized(), table, rtol=1e-6,
+                               atol=0)

@@ -59,7 +59,7 @@ class RunResult:
 
 
 async def _session(engine: Engine, index: int, max_tokens: int, result: RunResult,
-                   embeddings: torch.Tensor) -> None:
+                   embed: torch.nn.Module) -> None:
     session = engine.new_session(SYSTEM)
     stop = asyncio.Event()
 
@@ -68,8 +68,8 @@ async def _session(engine: Engine, index: int, max_tokens: int, result: RunResul
         started = time.monotonic()
         while not stop.is_set():
             t = time.monotonic() - started
-            ids = torch.randint(0, embeddings.shape[0], (4,))
-            session.append_embeddings(embeddings[ids], timestamp=t, source=frame)
+            ids = torch.randint(0, embed.num_embeddings, (4,))
+            session.append_embeddings(embed(ids), timestamp=t, source=frame)
             if frame % 4 == 0:
                 note = NOTES[(index + frame // 4) % len(NOTES)]
                 await session.append_message(f"[00:{int(t):02d}] {note}", timestamp=t)
@@ -94,16 +94,16 @@ async def _session(engine: Engine, index: int, max_tokens: int, result: RunResul
 
 async def _run(engine: Engine, sessions: int, concurrent: bool, max_tokens: int) -> RunResult:
     result = RunResult([], [], 0.0, 0)
-    embeddings = engine.loaded.model.embed.weight.detach()
+    embed = engine.loaded.model.embed
     started = time.monotonic()
     if concurrent:
         async def staggered(i: int) -> None:
             await asyncio.sleep(0.05 * i)
-            await _session(engine, i, max_tokens, result, embeddings)
+            await _session(engine, i, max_tokens, result, embed)
         await asyncio.gather(*(staggered(i) for i in range(sessions)))
     else:
         for i in range(sessions):
-            await _session(engine, i, max_tokens, result, embeddings)
+            await _session(engine, i, max_tokens, result, embed)
     result.wall_s = time.monotonic() - started
     return result
 

@@ -158,11 +158,13 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The compute dtype (the norms' weights are kept in it whatever the projections'
+        storage)."""
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     def weight_bytes(self) -> int:
         """Bytes of distinct parameters and quantized weight buffers (a tied head counted
@@ -177,8 +179,10 @@ class Transformer(nn.Module):
     def decode_read_bytes(self) -> int:
         """Bytes of weights one decode step reads: all except the unused embedding rows."""
         total = self.weight_bytes()
-        if getattr(self.output, "weight", None) is not self.embed.weight:
-            total -= self.embed.weight.numel() * self.embed.weight.element_size()
+        table = getattr(self.embed, "weight", None)
+        if table is None or getattr(self.output, "weight", None) is not table:
+            total -= sum(t.numel() * t.element_size()
+                         for t in [*self.embed.parameters(), *self.embed.buffers()])
         return total
 
 

@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streamgrok.model.quantized_embedding import Int8Embedding
+from streamgrok.model.quantized_embedding import fits as embedding_fits
+
 WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
 Q4_GROUP = 32
 Q4_INNER_K_TILES = 2
@@ -205,8 +208,8 @@ def _pack_for_cpu(levels: torch.Tensor) -> torch.Tensor:
 
 def quantize_model(model: nn.Module, weights: str) -> nn.Module:
     """Store the projections and the output head as `weights` (q8, q4; f32 and bf16 leave
-    the model as it is). The embedding table stays in the model's dtype (it is indexed, not
-    multiplied); a tied head gets its own quantized copy."""
+    the model as it is). The embedding table becomes int8 in groups of 32 (`Int8Embedding`,
+    where the row size allows); a tied head gets its own quantized copy."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r} (choose from "
                          f"{', '.join(WEIGHT_FORMATS)})")
@@ -216,6 +219,9 @@ def quantize_model(model: nn.Module, weights: str) -> nn.Module:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, quantized_rows(child.weight, weights).linear(child.bias))
+    embed = getattr(model, "embed", None)
+    if isinstance(embed, nn.Embedding) and embedding_fits(embed.embedding_dim):
+        model.embed = Int8Embedding.of(embed.weight)
     return model
 
 

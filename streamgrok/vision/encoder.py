@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,10 +91,12 @@ class VisionEncoder:
 
 
 @torch.inference_mode()
-def token_rows(ids: list[int], embedding: nn.Embedding) -> torch.Tensor:
+def token_rows(ids: list[int], embedding: nn.Module) -> torch.Tensor:
     """The embedding rows [n, hidden] of token ids, float32 on the host (what the model's own
-    lookup gives them, ready to travel as embedding rows beside image tokens)."""
-    index = torch.tensor(ids, dtype=torch.long, device=embedding.weight.device)
+    lookup gives them, ready to travel as embedding rows beside image tokens). `embedding`
+    is the model's table (`nn.Embedding` or `Int8Embedding`)."""
+    table = next(itertools.chain(embedding.parameters(), embedding.buffers()))
+    index = torch.tensor(ids, dtype=torch.long, device=table.device)
     return embedding(index).float().cpu()
 
 
