@@ -45,8 +45,7 @@ class FramePreprocessor:
 
     def __init__(self, config: PreprocessConfig) -> None:
         # torchvision (~90 MB resident, seconds to import) loads only where frames are resized
-        from torchvision.transforms.v2 import InterpolationMode
-        from torchvision.transforms.v2 import functional
+        from torchvision.transforms.v2 import InterpolationMode, functional
 
         self.config = config
         self.filter = InterpolationMode(config.resample)
