@@ -258,6 +258,8 @@ def _add_bench_commands(commands) -> None:
                     help="needles per task and depth in the recall part")
     kv.add_argument("--recall-stream-tokens", type=int, default=200_000,
                     help="tokens of the recall part's long stream")
+    kv.add_argument("--recall-stream-questions", type=int, default=5,
+                    help="questions (and measured rows) along the long stream")
     kv.add_argument("--recall-parts", default="stream,fidelity,retrieval",
                     help="what the recall part runs")
     kv.add_argument("--out", default="bench-results", help="folder for plots")
@@ -445,6 +447,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     contexts=tuple(int(x) for x in args.recall_contexts.split(",")),
                     fractions=floats(args.recall_fractions), policy=args.recall_policy,
                     trials=args.recall_trials, flat_tokens=args.recall_stream_tokens,
+                    flat_questions=args.recall_stream_questions,
                     parts=tuple(args.recall_parts.split(",")),
                     budget=args.budget),
                 weights=args.weights,

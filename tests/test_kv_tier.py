@@ -435,3 +435,19 @@ def test_bench_measures_an_exact_hit_rate_of_one_when_everything_comes_back(tiny
     assert results["guard"][0] == pytest.approx(1.0)
     assert results["guard"][1].estimated_hit == pytest.approx(1.0)
     assert results["guard"][1].recalled > 0
+
+
+def test_bench_long_stream_prints_each_row_as_it_is_measured(tiny_loaded, capsys):
+    """The long stream's rows appear as they are taken (a stopped run still shows them),
+    and its working set stays inside the budget while the host tier fills and drops."""
+    from streamgrok.bench.recall import RecallBenchOptions, long_stream
+
+    options = RecallBenchOptions(flat_tokens=1600, flat_questions=4, budget=128, chunk=64)
+    result = long_stream(tiny_loaded, options)
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in printed
+            if len(line.split()) == 7 and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [400, 800, 1200, 1600]
+    assert [r[0] for r in result["rows"]] == [400, 800, 1200, 1600]
+    assert abs(result["drift"]["pages"]) <= 0.05
+    assert "flat = within 5%" in printed[-1]

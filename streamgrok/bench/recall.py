@@ -393,24 +393,26 @@ def long_stream(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
     process = psutil.Process()
     every = total // options.flat_questions
     rows = []
+    # each row is printed as it is measured, so a stream stopped early still shows its rows
+    print(f"\n[recall long stream] {total} tokens of prose, budget {options.budget}, host "
+          f"tier {host_gib:.2f} GiB, a question with recall every {every} tokens", flush=True)
+    print(f"{'tokens':>9} {'pages':>7} {'KV MiB':>8} {'host MiB':>9} {'dropped':>10} "
+          f"{'RSS MiB':>8} {'s':>6}", flush=True)
     bar = tqdm(total=total, desc="bench kv recall long stream", unit="tok", leave=False)
     started = time.perf_counter()
     for start in range(0, total, every):
         feed(model, cache, 0, ids[start : start + every], chunk=options.chunk)
         bar.update(min(every, total - start))
         forced_answer(model, cache, 5, question, question[:4], "guard")
-        rows.append((min(start + every, total), cache.pool.used_pages, cache.tier.used_bytes,
-                     cache.tier.stats.dropped_tokens, process.memory_info().rss))
+        row = (min(start + every, total), cache.pool.used_pages, cache.tier.used_bytes,
+               cache.tier.stats.dropped_tokens, process.memory_info().rss)
+        rows.append(row)
+        done, pages, host, dropped, rss = row
+        tqdm.write(f"{done:>9} {pages:>7} {pages * cache.page_bytes / 2**20:>8.1f} "
+                   f"{host / 2**20:>9.1f} {dropped:>10} {rss / 2**20:>8.0f} "
+                   f"{time.perf_counter() - started:>6.0f}")
     bar.close()
-    elapsed = time.perf_counter() - started
-    print(f"\n[recall long stream] {total} tokens of prose in {elapsed:.0f} s, budget "
-          f"{options.budget}, host tier {host_gib:.2f} GiB, a question with recall every "
-          f"{every} tokens")
-    print(f"{'tokens':>9} {'pages':>7} {'KV MiB':>8} {'host MiB':>9} {'dropped':>10} "
-          f"{'RSS MiB':>8}")
-    for done, pages, host, dropped, rss in rows:
-        print(f"{done:>9} {pages:>7} {pages * cache.page_bytes / 2**20:>8.1f} "
-              f"{host / 2**20:>9.1f} {dropped:>10} {rss / 2**20:>8.0f}")
+    print(f"{total} tokens in {time.perf_counter() - started:.0f} s")
     first, last = rows[0], rows[-1]
     drift = {"pages": last[1] / first[1] - 1, "host": last[2] / max(1, first[2]) - 1,
              "rss": last[4] / first[4] - 1}
