@@ -16,9 +16,7 @@ from streamgrok.model.config import ModelConfig
 from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
 from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_json
 from streamgrok.model.llama import Transformer, fuse_projections
-from streamgrok.model.quantized import QuantizedRows, quantized_rows
-from streamgrok.model.quantized_embedding import Int8Embedding
-from streamgrok.model.quantized_embedding import fits as embedding_fits
+from streamgrok.model.quantized import QuantizedRows, quantize_embedding, quantized_rows
 from streamgrok.model.tokenizer import Tokenizer
 from streamgrok.runtime import release_free_memory
 
@@ -101,8 +99,7 @@ def build_model(
         return model.eval().requires_grad_(False)
     model.load_state_dict(state, assign=True, strict=False)
     packed.install(model, state)
-    if embedding_fits(config.hidden_size):
-        model.embed = Int8Embedding.of(model.embed.weight)
+    quantize_embedding(model)
     return model.eval().requires_grad_(False)
 
 

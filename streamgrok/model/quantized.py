@@ -219,10 +219,16 @@ def quantize_model(model: nn.Module, weights: str) -> nn.Module:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, quantized_rows(child.weight, weights).linear(child.bias))
+    quantize_embedding(model)
+    return model
+
+
+def quantize_embedding(model: nn.Module) -> None:
+    """Replace `model.embed` (an `nn.Embedding`) by its `Int8Embedding`, where the row
+    size allows."""
     embed = getattr(model, "embed", None)
     if isinstance(embed, nn.Embedding) and embedding_fits(embed.embedding_dim):
         model.embed = Int8Embedding.of(embed.weight)
-    return model
 
 
 def fits_q4(out_features: int, in_features: int) -> bool:
