@@ -12,7 +12,8 @@ from kernels.ops import KernelOps
 from kernels.rotary import apply_rotary
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
-from streamgrok.cache.recall import choose_pages
+from streamgrok.cache.host_tier import _summaries
+from streamgrok.cache.recall import choose_pages, score_pages
 from streamgrok.cache.tokens import STREAM
 from streamgrok.model.batch import BatchMetadata
 
@@ -451,3 +452,70 @@ def test_bench_long_stream_prints_each_row_as_it_is_measured(tiny_loaded, capsys
     assert [r[0] for r in result["rows"]] == [400, 800, 1200, 1600]
     assert abs(result["drift"]["pages"]) <= 0.05
     assert "flat = within 5%" in printed[-1]
+
+
+def test_the_guard_takes_pages_beyond_the_budget_by_what_they_add_to_the_hit_rate():
+    counts = torch.tensor([16, 16, 16, 16])
+    score = torch.tensor([3.0, 2.0, 1.0, 0.0])  # the budget's page: the best bound
+    mass = torch.tensor([[0.01, 0.1, 0.8, 0.3]])  # then the guard goes by mass: 2, 3, 1
+    budget_only = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=1000,
+                               min_hit_rate=0.0)
+    assert budget_only.index.tolist() == [0]
+    some = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=1000,
+                        min_hit_rate=0.9)
+    assert some.index.tolist() == [0, 2, 3] and some.guard
+    assert some.hit_rate == pytest.approx((1 + 0.01 + 0.8 + 0.3) / (1 + 1.21))
+
+
+def _page_mass(keys: torch.Tensor, q: torch.Tensor) -> tuple[float, float]:
+    """(estimated, exact) attention mass of one page of keys [n, 1, D] for a query [1, 1, D]
+    at the same position (no rotation), relative to a resident log-sum-exp of 0."""
+    counts = torch.tensor([keys.shape[0]])
+    centers, radii, plane_vars = _summaries(keys, counts, keys.shape[0])
+    scale = 1 / math.sqrt(keys.shape[-1])
+    _, mass = score_pages(q, torch.zeros(1, 1, 1), centers, radii, plane_vars, counts, scale)
+    exact = torch.exp((keys[:, 0] @ q[0, 0]) * scale).sum()
+    return float(mass.sum()), float(exact)
+
+
+def test_a_pages_estimated_mass_follows_its_keys_spread():
+    gen = torch.Generator().manual_seed(0)
+    dim = 64
+    q = torch.randn(1, 1, dim, generator=gen)
+    center = torch.randn(dim, generator=gen)
+    for spread in (0.01, 0.1, 0.3):
+        keys = (center + spread * torch.randn(16, dim, generator=gen))[:, None]
+        estimated, exact = _page_mass(keys, q)
+        assert estimated == pytest.approx(exact, rel=0.1), spread
+    # a wide spread: 16 keys cannot fill exp(variance / 2); the estimate stays far under it
+    # and under the ball's bound, and on the safe side of what the keys give (a page's mass
+    # overestimated makes the guard recall more, never less)
+    keys = (center + 10.0 * torch.randn(16, dim, generator=gen))[:, None]
+    estimated, exact = _page_mass(keys, q)
+    deviation = keys[:, 0] - keys[:, 0].mean(0)
+    scale = 1 / math.sqrt(dim)
+    logits = (keys[:, 0] @ q[0, 0]) * scale
+    center_logit = float(keys[:, 0].mean(0) @ q[0, 0]) * scale
+    lognormal = 16 * math.exp(center_logit + float(logits.var(correction=0)) / 2)
+    ball = 16 * math.exp(center_logit + float(q.norm() * deviation.norm(dim=-1).max()) * scale)
+    assert estimated < lognormal / 1e6 and estimated <= ball
+    assert estimated > exact
+
+
+def test_page_summaries_keep_the_key_variance_of_each_rotary_plane():
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(20, 2, 8, generator=gen)
+    counts = torch.tensor([16, 4])
+    centers, radii, plane_vars = _summaries(keys, counts, 16)
+    for page, (lo, hi) in enumerate(((0, 16), (16, 20))):
+        part = keys[lo:hi]
+        torch.testing.assert_close(centers[page], part.mean(0))
+        deviation = (part - part.mean(0)) ** 2
+        torch.testing.assert_close(plane_vars[page],
+                                   (deviation[..., :4] + deviation[..., 4:]).mean(0) / 2)
+        torch.testing.assert_close(radii[page], (part - part.mean(0)).norm(dim=-1).amax(0))
+    # one rotation of the planes (a page coming back at another position) keeps them
+    angles = torch.rand(1, 4, generator=gen) * 6.28
+    turned = apply_rotary(keys, angles.cos().expand(20, -1), angles.sin().expand(20, -1))
+    _, _, turned_vars = _summaries(turned, counts, 16)
+    torch.testing.assert_close(turned_vars, plane_vars)

@@ -37,6 +37,9 @@ class TierLayer:
         default_factory=lambda: torch.zeros(0, 0, META_COLUMNS, dtype=torch.float64))
     centers: torch.Tensor | None = None  # [P, kv_heads, head_dim] float32, mean unrotated key
     radii: torch.Tensor | None = None  # [P, kv_heads] float32, max |key - center|
+    # [P, kv_heads, head_dim / 2] float32: per rotary plane (dims j, j + D/2), the keys' mean
+    # squared distance from the center in that plane, halved (kept under any rotation)
+    plane_vars: torch.Tensor | None = None
 
     @property
     def num_pages(self) -> int:
@@ -57,6 +60,7 @@ class TierLayer:
         self.meta = self.meta[index]
         self.centers = self.centers[index.to(self.centers.device)]
         self.radii = self.radii[index.to(self.radii.device)]
+        self.plane_vars = self.plane_vars[index.to(self.plane_vars.device)]
 
 
 @dataclass
@@ -168,15 +172,18 @@ class HostTier:
         padded[:n, PROTECTED] = 0.0  # what comes back competes like any other token
         counts = torch.full((count,), self.page_size, dtype=torch.int64)
         counts[-1] = n - (count - 1) * self.page_size
-        centers, radii = _summaries(k.float(), counts.to(k.device), self.page_size)
+        centers, radii, plane_vars = _summaries(k.float(), counts.to(k.device), self.page_size)
         rec = self.sequences[seq_id][layer]
         rec.pages += pages
         rec.counts = torch.cat([rec.counts, counts])
         rec.meta = torch.cat([rec.meta.reshape(-1, self.page_size, META_COLUMNS),
                               padded.view(count, self.page_size, META_COLUMNS)])
         centers, radii = centers.to(self.device), radii.to(self.device)
+        plane_vars = plane_vars.to(self.device)
         rec.centers = centers if rec.centers is None else torch.cat([rec.centers, centers])
         rec.radii = radii if rec.radii is None else torch.cat([rec.radii, radii])
+        rec.plane_vars = plane_vars if rec.plane_vars is None else \
+            torch.cat([rec.plane_vars, plane_vars])
         self.stats.stored_tokens += n
         self.tokens += n
 
@@ -264,10 +271,12 @@ def _oldest(rec: TierLayer, among: torch.Tensor, count: int) -> torch.Tensor:
     return torch.argsort(first, stable=True)[: min(count, int(among.sum()))]
 
 
-def _summaries(k: torch.Tensor, counts: torch.Tensor, page_size: int) -> tuple[torch.Tensor,
-                                                                             torch.Tensor]:
-    """Per page of `page_size` consecutive tokens of k [n, kv_heads, D]: the mean key and the
-    largest distance of a key from it, per KV head."""
+def _summaries(k: torch.Tensor, counts: torch.Tensor, page_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per page of `page_size` consecutive tokens of k [n, kv_heads, D]: the mean key, the
+    largest distance of a key from it, per KV head, and the keys' variance per rotary plane
+    (half the mean squared distance from the center in dims j and j + D/2): the rotation of a
+    plane keeps it, so it holds at whatever position the page comes back to."""
     pages = counts.numel()
     padded = torch.zeros(pages * page_size, *k.shape[1:], dtype=k.dtype, device=k.device)
     padded[: k.shape[0]] = k
@@ -277,4 +286,8 @@ def _summaries(k: torch.Tensor, counts: torch.Tensor, page_size: int) -> tuple[t
     centers = (padded * weights).sum(1) / counts.to(k.dtype)[:, None, None]
     distance = torch.linalg.vector_norm(padded - centers[:, None], dim=-1)  # [P, page, kvh]
     radii = distance.masked_fill(~valid[:, :, None], 0.0).amax(1)
-    return centers, radii
+    half = k.shape[-1] // 2
+    squared = ((padded - centers[:, None]) ** 2) * weights
+    plane_vars = (squared[..., :half] + squared[..., half:]).sum(1) / (
+        2 * counts.to(k.dtype)[:, None, None])
+    return centers, radii, plane_vars

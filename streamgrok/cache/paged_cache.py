@@ -375,7 +375,7 @@ class PagedKVCache:
         call, through `self.kernels` (Triton on CUDA, the PyTorch reference elsewhere)."""
         plan: AttentionPlan = batch.backend_state
         if self.recaller.active:
-            plan = batch.backend_state = self.recaller.before_attention(layer, q, plan)
+            plan = batch.backend_state = self.recaller.before_attention(layer, q, k, plan)
         kv = self.pool.paged_kv()
         self.kernels.kv_append(kv, plan.new_slots[layer], k, v)
         out = torch.empty_like(q)

@@ -11,12 +11,14 @@ positions they had):
    point among the resident tokens). The page's score is the largest bound minus `lse` over
    queries and heads: the log of the most attention one of its tokens could draw, relative to
    everything resident;
-3. pages are taken best first within the recall budget (tokens per layer); the estimated hit
-   rate, the share of attention resident after recall, counts each page's mass as its token
-   count times exp(q . R(p) c + (|q| r)^2 / 2D - lse) (the mean of exp over logits spread
-   around the center's with the variance of a key anywhere in the ball). When the estimate is
-   below the guard's threshold, more pages are taken until it is met, or until the position
-   cap (the model's trained context) is hit.
+3. pages are taken best first by that score within the recall budget (tokens per layer): the
+   pages where some head may attend sharply. The estimated hit rate, the share of attention
+   resident after recall, counts each page's mass as its token count times the mean exp of
+   its logits minus `lse`, with the logits as normal around the center's (variance from the
+   keys' variance per rotary plane, which a rotation keeps, times the query's squared length
+   there): exp(var / 2), or less where n keys cannot sample the tail that carries it. When
+   the estimate is below the guard's threshold, more pages are taken, those adding most to
+   it first, until it is met or the position cap (the model's trained context) is hit.
 
 The engine recalls inside the question's own prefill (`recaller`): at each layer, before the
 question attends, its queries at that layer choose what comes back to that layer.
@@ -96,35 +98,58 @@ def resident_lse(q_rot: torch.Tensor, k_rot: torch.Tensor, positions: torch.Tens
 
 
 def score_pages(q_rot: torch.Tensor, lse: torch.Tensor, centers_rot: torch.Tensor,
-                radii: torch.Tensor, counts: torch.Tensor, scale: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                radii: torch.Tensor, plane_vars: torch.Tensor, counts: torch.Tensor,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Page scores [P] (the largest bound on a token's logit minus `lse`, over queries and
     heads) and estimated attention mass [R * H, P] relative to the resident mass, for host
-    pages with rotated centers [P, kvh, D], radii [P, kvh] and token counts [P]."""
+    pages with rotated centers [P, kvh, D], radii [P, kvh], per-plane key variances
+    [P, kvh, D/2] and token counts [P]."""
     rows, heads, dim = q_rot.shape
     kv_heads = centers_rot.shape[1]
     qg = q_rot.float().view(rows, kv_heads, heads // kv_heads, dim)
     center = torch.einsum("rkgd,pkd->rkgp", qg, centers_rot.float()) * scale
     reach = torch.linalg.vector_norm(qg, dim=-1)[..., None] * radii.float().T[None, :, None, :]
     bound = center + reach * scale - lse[..., None]
-    # logits of keys spread around the center: lognormal mean, variance (|q| r)^2 / D
-    spread = (reach * scale) ** 2 / (2 * dim)
-    mass = counts.to(center.device, torch.float32) * torch.exp(center + spread - lse[..., None])
+    # the page's logits have the center's as mean and variance var = scale^2 times the sum
+    # over rotary planes of the plane's key variance times the query's squared length in it
+    # (a rotation keeps both). For normal logits the mean exp is exp(var / 2); n keys only
+    # reach that when n is large against the spread, since the tail that carries it is
+    # sampled a few times at most. So the estimate is the smaller of exp(var / 2) and one
+    # key at the expected largest of n draws (sigma sqrt(2 ln n)) with the rest at the mean.
+    # Never above the ball's bound.
+    half = dim // 2
+    q_planes = qg[..., :half] ** 2 + qg[..., half:] ** 2  # [R, kvh, G, D/2]
+    variance = torch.einsum("rkgj,pkj->rkgp", q_planes, plane_vars.float()) * scale ** 2
+    n = counts.to(center.device, torch.float32).clamp(min=1)
+    largest = (2 * torch.log(n) * variance).sqrt()
+    one_key = torch.logaddexp(largest, torch.log(n - 1)) - torch.log(n)
+    mean_exp = torch.minimum(center + torch.minimum(variance / 2, one_key) - lse[..., None],
+                             bound)
+    mass = n * torch.exp(mean_exp)
     return bound.amax(dim=(0, 1, 2)), mass.reshape(-1, centers_rot.shape[0])
 
 
 def choose_pages(score: torch.Tensor, mass: torch.Tensor, counts: torch.Tensor,
                  budget_tokens: int, cap_tokens: int, min_hit_rate: float) -> PageChoice:
-    """Best-scored pages first, as many as fit `budget_tokens`; then, while the estimated hit
-    rate is below `min_hit_rate`, more, never past `cap_tokens` in all."""
-    order = torch.argsort(score.cpu(), descending=True, stable=True)
+    """Best-scored pages first, as many as fit `budget_tokens` (the pages where some head
+    may attend sharply); then, while the estimated hit rate is below `min_hit_rate`, more, in
+    the order of what each adds to that estimate, never past `cap_tokens` in all."""
+    mass = mass.cpu().double()
+    total = mass.sum(1, keepdim=True)
+    by_score = torch.argsort(score.cpu(), descending=True, stable=True)
+    within = int((torch.cumsum(counts[by_score], 0) <= budget_tokens).sum())
+    rest = torch.ones(score.numel(), dtype=torch.bool)
+    rest[by_score[:within]] = False
+    rest = torch.nonzero(rest).flatten()
+    gain = (mass[:, rest] / (1.0 + total)).mean(0)  # what each adds to the estimated hit rate
+    order = torch.cat([by_score[:within],
+                       rest[torch.argsort(gain, descending=True, stable=True)]])
     tokens = torch.cumsum(counts[order], 0)
-    cum = torch.cumsum(mass.cpu().double()[:, order], dim=1)
-    total = cum[:, -1:] if cum.shape[1] else torch.zeros(cum.shape[0], 1, dtype=torch.float64)
+    cum = torch.cumsum(mass[:, order], dim=1)
     hit = torch.cat([torch.zeros(cum.shape[0], 1, dtype=torch.float64), cum], dim=1)
     hit = ((1.0 + hit) / (1.0 + total)).mean(0)  # [P + 1]: after taking the first k pages
     capped = int((tokens <= cap_tokens).sum())
-    wanted = int((tokens <= budget_tokens).sum())
+    wanted = within
     guard = False
     if float(hit[min(wanted, capped)]) < min_hit_rate:
         reached = torch.nonzero(hit >= min_hit_rate).flatten()

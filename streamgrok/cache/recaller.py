@@ -79,10 +79,11 @@ class Recaller:
         """The result of the sequence's in-pass recall, once its pass has run."""
         return self._done.pop(seq_id, None)
 
-    def before_attention(self, layer: int, q: torch.Tensor, plan: AttentionPlan
-                         ) -> AttentionPlan:
-        """Recall into `layer` for the armed sequences of this step, before its new K/V are
-        stored; returns the plan, rebuilt when a layer's tokens moved."""
+    def before_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                         plan: AttentionPlan) -> AttentionPlan:
+        """Recall into `layer` for the armed sequences of this step, before its new K/V
+        (`k`, unrotated, rows as `q`'s) are stored; returns the plan, rebuilt when a layer's
+        tokens moved."""
         moved = False
         last = layer == len(self.cache.budgets) - 1
         for seq_id, row, count in plan.spans:
@@ -96,7 +97,7 @@ class Recaller:
             queries = (q[row : row + count][-keep:], positions)
             added = self._recall_layer(self.cache.sequences[seq_id], layer, queries, start,
                                        armed.room, armed.min_hit_rate, armed.result,
-                                       armed.hits)
+                                       armed.hits, own_keys=k[row : row + count])
             if added:
                 plan.starts[seq_id][layer] = start + added
                 moved = True
@@ -150,9 +151,10 @@ class Recaller:
 
     def _recall_layer(self, seq: SequenceState, layer: int, queries, resident: int,
                       room: int, min_hit_rate: float, result: RecallResult,
-                      hits: list[float]) -> int:
+                      hits: list[float], own_keys: torch.Tensor | None = None) -> int:
         """Bring the chosen pages into one layer; returns tokens added. `resident`: how many
-        of the layer's leading tokens hold keys (the rest are this step's, not yet stored)."""
+        of the layer's leading tokens hold keys (the rest are this step's, not yet stored:
+        `own_keys`, unrotated, which the queries attend too)."""
         cache = self.cache
         tier_layer = cache.tier.layer(seq.tier_source, layer) if self._has_tier(seq) else None
         if tier_layer is None or tier_layer.num_pages == 0:
@@ -161,7 +163,8 @@ class Recaller:
         rec = seq.layers[layer]
         cap = max(0, cache.model_config.max_positions - room - rec.length)
         budget = cache.config.recall_tokens or cache.budgets[layer] or 0
-        choice = self.choose(rec, resident, tier_layer, queries, budget, cap, min_hit_rate)
+        choice = self.choose(rec, resident, tier_layer, queries, budget, cap, min_hit_rate,
+                             own_keys)
         hits.append(choice.hit_rate)
         result.guard |= choice.guard
         result.limited |= choice.limited
@@ -178,18 +181,25 @@ class Recaller:
         return k.shape[0]
 
     def choose(self, rec, resident: int, tier_layer, queries, budget: int, cap: int,
-               min_hit_rate: float) -> PageChoice:
+               min_hit_rate: float, own_keys: torch.Tensor | None = None) -> PageChoice:
         """The recall rule for one layer: queries (unrotated [R, H, D], cache positions [R])
-        against the first `resident` tokens of `rec` and the host pages of `tier_layer`."""
+        against the first `resident` tokens of `rec`, then `own_keys` (the queries' chunk's
+        keys, not yet stored, at the positions after them), and the host pages of
+        `tier_layer`. What a question's tokens draw to themselves is resident mass too."""
         cache = self.cache
         q_rot, k_rot, positions, tables = self.rotated(rec, resident, queries)
+        if own_keys is not None and own_keys.shape[0]:
+            own_positions = torch.arange(resident, resident + own_keys.shape[0],
+                                         device=cache.device)
+            k_rot = torch.cat([k_rot, rotate(cache.kernels, own_keys.to(k_rot.dtype),
+                                             own_positions, tables)])
         scale = attention_scale(cache.model_config.head_dim)
         lse = resident_lse(q_rot, k_rot, positions, scale)
         insert_at = torch.searchsorted(rec.column(STREAM)[:resident].contiguous(),
                                        tier_layer.first_stream().contiguous())
         centers_rot = rotate(cache.kernels, tier_layer.centers, insert_at, tables)
-        score, mass = score_pages(q_rot, lse, centers_rot, tier_layer.radii, tier_layer.counts,
-                                  scale)
+        score, mass = score_pages(q_rot, lse, centers_rot, tier_layer.radii,
+                                  tier_layer.plane_vars, tier_layer.counts, scale)
         return choose_pages(score, mass, tier_layer.counts, budget, cap, min_hit_rate)
 
     def rotated(self, rec, resident: int, queries) -> tuple[torch.Tensor, ...]:
