@@ -11,8 +11,8 @@ from helpers import tiny_config
 from kernels.ops import KernelOps
 from kernels.rotary import apply_rotary
 from streamgrok.cache.config import CacheConfig
-from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.host_tier import _summaries
+from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.recall import choose_pages, score_pages
 from streamgrok.cache.tokens import STREAM
 from streamgrok.model.batch import BatchMetadata
