@@ -23,6 +23,7 @@ from kernels import (
 )
 from kernels.common import triton
 from kernels.paged_kv import PagedKV
+from kernels.paged_read import PagedReader
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -30,12 +31,15 @@ BACKENDS = ("auto", "torch", "triton")
 class KernelOps:
     """Chooses Triton or the PyTorch reference per call, from the backend and the tensor."""
 
-    def __init__(self, backend: str = "auto") -> None:
+    def __init__(self, backend: str = "auto", compiled_reads: bool = True) -> None:
+        """`compiled_reads`: the PyTorch attention path reads paged K/V through
+        torch.compile (see kernels.paged_read); False reads them eagerly."""
         if backend not in BACKENDS:
             raise ValueError(f"kernel backend must be one of {BACKENDS}, not {backend!r}")
         if backend == "triton" and triton is None:
             raise RuntimeError("kernel backend 'triton' asked for, but triton is not installed")
         self.backend = backend
+        self.paged_reader = PagedReader(compiled=compiled_reads)
 
     def uses_triton(self, tensor: torch.Tensor) -> bool:
         """Whether calls on `tensor` run the Triton kernels."""
@@ -86,7 +90,7 @@ class KernelOps:
             return paged_decode_attention.paged_decode_attention(
                 q, kv, block_tables, lengths, cos, sin, want_mass)
         return paged_decode_attention.reference(q, kv, block_tables, lengths, cos, sin,
-                                                want_mass)
+                                                want_mass, self.paged_reader)
 
     def prefill_attention(
         self, q: torch.Tensor, kv: PagedKV, block_tables: torch.Tensor, cu_q: torch.Tensor,
@@ -94,6 +98,8 @@ class KernelOps:
         mass_window: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Chunks of several sequences over their pages; see kernels.paged_prefill_attention."""
-        impl = (paged_prefill_attention.paged_prefill_attention if self.uses_triton(q)
-                else paged_prefill_attention.reference)
-        return impl(q, kv, block_tables, cu_q, past, cos, sin, max_q, mass_window)
+        if self.uses_triton(q):
+            return paged_prefill_attention.paged_prefill_attention(
+                q, kv, block_tables, cu_q, past, cos, sin, max_q, mass_window)
+        return paged_prefill_attention.reference(q, kv, block_tables, cu_q, past, cos, sin,
+                                                 max_q, mass_window, self.paged_reader)

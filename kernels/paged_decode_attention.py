@@ -24,7 +24,7 @@ import torch
 
 from kernels.common import dot_flags, kernel_flags, triton
 from kernels.paged_kv import PagedKV, table_slots
-from kernels.rotary import apply_rotary
+from kernels.paged_read import PagedReader
 
 if triton is not None:
     import triton.language as tl
@@ -46,17 +46,19 @@ def reference(
     cos: torch.Tensor,
     sin: torch.Tensor,
     want_mass: bool = False,
+    reader: PagedReader | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The CPU path and the oracle. q [B, H, D] rotated; block_tables [B, P] (int32, unused
-    entries may hold any valid page); lengths [B]; cos/sin [>= P * page_size, D/2].
+    entries may hold any valid page); lengths [B]; cos/sin [>= P * page_size, D/2]; `reader`
+    reads the pages (default: eagerly).
 
     Returns out [B, H, D] (q's dtype) and, with `want_mass`, mass [B, P * page_size] float32:
     the probability each cached token received, summed over all query heads (zero past each
     length)."""
     batch, heads, dim = q.shape
     width = block_tables.shape[1] * kv.page_size
-    k, v = kv.read(table_slots(block_tables, width, kv.page_size), q.dtype)  # [B, W, kvh, D]
-    k = apply_rotary(k, cos[:width], sin[:width])
+    reader = reader or PagedReader(compiled=False)
+    k, v = reader.read(kv, table_slots(block_tables, width, kv.page_size), cos, sin, q.dtype)
     valid = torch.arange(width, device=q.device)[None, :] < lengths[:, None]
     if not want_mass:
         out = torch.nn.functional.scaled_dot_product_attention(

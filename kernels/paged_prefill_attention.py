@@ -20,7 +20,7 @@ import torch
 
 from kernels.common import dot_flags, kernel_flags, triton
 from kernels.paged_kv import PagedKV, table_slots
-from kernels.rotary import apply_rotary
+from kernels.paged_read import PagedReader
 
 if triton is not None:
     import triton.language as tl
@@ -67,14 +67,17 @@ def reference(
     sin: torch.Tensor,
     max_q: int,
     mass_window: int | None = None,
+    reader: PagedReader | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The CPU path and the oracle. q [T, H, D]; block_tables [B, P]; cu_q [B + 1] row offsets;
     past [B] tokens cached before each chunk; cos/sin [>= P * page_size, D/2]; max_q the
-    longest chunk. Returns out [T, H, D] and, with `mass_window`, mass [B, P * page_size]."""
+    longest chunk; `reader` reads the pages (default: eagerly). Returns out [T, H, D] and,
+    with `mass_window`, mass [B, P * page_size]."""
     batch = block_tables.shape[0]
     width = block_tables.shape[1] * kv.page_size
-    k, v = kv.read(table_slots(block_tables, width, kv.page_size), q.dtype)
-    k = apply_rotary(k, cos[:width], sin[:width])  # [B, W, kvh, D]
+    reader = reader or PagedReader(compiled=False)
+    k, v = reader.read(kv, table_slots(block_tables, width, kv.page_size), cos, sin,
+                       q.dtype)  # [B, W, kvh, D], K rotated
     out = torch.empty_like(q)
     bounds = cu_q.tolist()
     starts = past.tolist()
