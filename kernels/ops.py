@@ -31,9 +31,10 @@ BACKENDS = ("auto", "torch", "triton")
 class KernelOps:
     """Chooses Triton or the PyTorch reference per call, from the backend and the tensor."""
 
-    def __init__(self, backend: str = "auto", compiled_reads: bool = True) -> None:
+    def __init__(self, backend: str = "auto", compiled_reads: bool | None = None) -> None:
         """`compiled_reads`: the PyTorch attention path reads paged K/V through
-        torch.compile (see kernels.paged_read); False reads them eagerly."""
+        torch.compile (see kernels.paged_read); False reads them eagerly; None: compiled
+        unless STREAMGROK_COMPILED_READS=0."""
         if backend not in BACKENDS:
             raise ValueError(f"kernel backend must be one of {BACKENDS}, not {backend!r}")
         if backend == "triton" and triton is None:

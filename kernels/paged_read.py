@@ -13,6 +13,7 @@ tests' oracle.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -22,10 +23,18 @@ from kernels.paged_kv import PagedKV
 
 log = logging.getLogger(__name__)
 
+COMPILED_READS_ENV = "STREAMGROK_COMPILED_READS"  # "0": read eagerly (e.g. short test runs)
 # Below this many tokens a read is cheap and the compiled call's fixed cost (guards, ~0.1 ms)
 # would outweigh what fusion saves.
 COMPILED_MIN_TOKENS = 256
 ReadFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def compiled_reads_by_default() -> bool:
+    """Whether readers compile unless told (off where STREAMGROK_COMPILED_READS=0: a run
+    of many short processes, such as the test suite, would spend more compiling than it
+    saves)."""
+    return os.environ.get(COMPILED_READS_ENV, "1") != "0"
 
 
 def read_rotated(
@@ -58,8 +67,11 @@ class PagedReader:
     long read never stalls a model step for the compilation (seconds). A failed
     compilation turns compiled reads off for good, with one warning (`compile_error`)."""
 
-    def __init__(self, compiled: bool = True) -> None:
+    def __init__(self, compiled: bool | None = None) -> None:
+        """`compiled`: None follows `compiled_reads_by_default()`."""
         self._function: ReadFn | None = None
+        if compiled is None:
+            compiled = compiled_reads_by_default()
         if compiled and hasattr(torch, "compile"):
             self._function = torch.compile(read_rotated, dynamic=True)
         self.compile_error: str | None = None

@@ -8,6 +8,9 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Compiled paged reads cost seconds of compiling in every test process (servers, workers);
+# tests/test_paged_read.py turns them on explicitly and checks them against eager reads.
+os.environ.setdefault("STREAMGROK_COMPILED_READS", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402

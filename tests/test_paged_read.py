@@ -120,3 +120,11 @@ def test_attention_through_compiled_reads_equals_the_eager_reference():
         if window is not None:
             torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
     assert ops.paged_reader.compiled_kinds() == 1, ops.paged_reader.compile_error
+
+
+def test_the_environment_sets_whether_readers_compile_by_default(monkeypatch):
+    monkeypatch.setenv("STREAMGROK_COMPILED_READS", "0")
+    assert not PagedReader().compiled and not KernelOps().paged_reader.compiled
+    monkeypatch.setenv("STREAMGROK_COMPILED_READS", "1")
+    assert PagedReader().compiled and KernelOps().paged_reader.compiled
+    assert not KernelOps(compiled_reads=False).paged_reader.compiled
