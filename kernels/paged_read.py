@@ -135,14 +135,15 @@ class PagedReader:
         """Compile one kind of read on stand-ins whose sizes share no value (dynamic shapes
         would otherwise assume a coincidence holds)."""
         try:
+            _import_compiler_quietly()
             dtype, half = kind[1], kv.head_dim // 2
             stand_in = PagedKV.zeros(1013, kv.kv_heads, kv.head_dim, kv.k.dtype, kv.page_size)
             rows = 2 if batch > 1 else 1
             slots = torch.arange(rows * 263) % 1013
             positions = torch.arange(263).repeat(rows)
-            tables = torch.zeros(389, half)
+            cos, sin = torch.zeros(389, half), torch.zeros(389, half)  # distinct, as in use
             function(stand_in.k, stand_in.v, stand_in.k_scale, stand_in.v_scale, slots,
-                     positions, tables, tables, dtype)
+                     positions, cos, sin, dtype)
             with self._lock:
                 self._ready.add(kind)
         except Exception as error:  # no C++ compiler, an unsupported platform
@@ -154,3 +155,15 @@ class PagedReader:
     def _turn_off(self, error: Exception) -> None:
         self._function, self.compile_error = None, f"{type(error).__name__}: {error}"
         log.warning("compiled paged K/V reads are off (%s); reading eagerly", self.compile_error)
+
+
+def _import_compiler_quietly() -> None:
+    """Import inductor's C++ toolchain module without its import-time warning on machines
+    without CUDA ("No CUDA runtime is found"), which would land in the middle of a user's
+    output; a CPU compile does not need CUDA."""
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    disabled, cpp_log.disabled = cpp_log.disabled, True
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        cpp_log.disabled = disabled

@@ -56,6 +56,10 @@ def test_compiled_reads_equal_eager_reads(dtype, batch):
     assert compiled.wait_compiled(timeout=600)
     assert compiled.compiled and compiled.compiled_kinds() == 1, compiled.compile_error
     got = compiled.read(kv, slots, cos, sin, torch.float32)
+    with torch.compiler.set_stance("fail_on_recompile"):  # the stand-ins' graph serves all
+        shorter = slots[:, : COMPILED_MIN_TOKENS + 5]
+        compiled.read(kv, shorter, cos[:-3], sin[:-3], torch.float32)
+    assert compiled.compiled, compiled.compile_error
     for g, w in zip(eager_while_compiling, want):
         torch.testing.assert_close(g, w)
     for g, w in zip(got, want):
