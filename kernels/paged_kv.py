@@ -51,13 +51,18 @@ class PagedKV:
         return self.k.shape[2]
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V at `slots` (any shape), dequantized to `dtype`."""
-        if self.quantized:
-            return (
-                (self.k[slots].float() * self.k_scale[slots].float()[..., None]).to(dtype),
-                (self.v[slots].float() * self.v_scale[slots].float()[..., None]).to(dtype),
-            )
-        return self.k[slots].to(dtype), self.v[slots].to(dtype)
+        """K, V at `slots` (any shape), dequantized to `dtype` (rows gathered with
+        index_select, which also compiles to a tighter loop than advanced indexing)."""
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, self.kv_heads, self.head_dim)
+
+        def gather(data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+            rows = data.index_select(0, flat)
+            if scale is not None:
+                rows = rows.float() * scale.index_select(0, flat).float()[..., None]
+            return rows.to(dtype).view(shape)
+
+        return gather(self.k, self.k_scale), gather(self.v, self.v_scale)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every stored tensor indexed by slot: k, v and, for int8, their scales."""

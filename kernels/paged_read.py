@@ -38,19 +38,14 @@ def compiled_reads_by_default() -> bool:
 
 
 def read_rotated(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None, slots: torch.Tensor, positions: torch.Tensor,
-    cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype,
+    kv: PagedKV, slots: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K rotated to `positions` and V at flat `slots` [N], both [N, kv_heads, D] in `dtype`
-    (int8 pools scaled by their per-(token, head) scales); cos/sin tables [> positions,
-    D/2]. Written as one expression per output so a compiler can fuse it."""
-    k = k_pool.index_select(0, slots)
-    v = v_pool.index_select(0, slots)
-    if k_scale is not None and v_scale is not None:
-        k = k.float() * k_scale.index_select(0, slots).float()[..., None]
-        v = v.float() * v_scale.index_select(0, slots).float()[..., None]
-    k, v = k.to(dtype), v.to(dtype)
+    (`PagedKV.read`); cos/sin tables [> positions, D/2]. The rotation is written as one
+    expression, which a compiler can fuse (`kernels.rotary.apply_rotary` writes into its
+    output in place, which inductor does not compile)."""
+    k, v = kv.read(slots, dtype)
     half = cos.shape[-1]
     c = cos.index_select(0, positions)[:, None, :].to(dtype)
     s = sin.index_select(0, positions)[:, None, :].to(dtype)
@@ -106,16 +101,15 @@ class PagedReader:
         batch, width = slots.shape
         flat = slots.reshape(-1)
         positions = torch.arange(width, device=slots.device).repeat(batch)
-        args = (kv.k, kv.v, kv.k_scale, kv.v_scale, flat, positions, cos, sin, dtype)
-        k, v = self._read(args, kv, batch)
+        k, v = self._read((kv, flat, positions, cos, sin, dtype), batch)
         shape = (batch, width, kv.kv_heads, kv.head_dim)
         return k.view(shape), v.view(shape)
 
-    def _read(self, args: tuple, kv: PagedKV, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        function, slots = self._function, args[4]
+    def _read(self, args: tuple, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        function, (kv, slots, *_, dtype) = self._function, args
         if function is None or slots.device.type != "cpu" or slots.numel() < COMPILED_MIN_TOKENS:
             return read_rotated(*args)
-        kind = (kv.k.dtype, args[-1], kv.quantized, batch == 1, kv.kv_heads == 1, kv.head_dim)
+        kind = (kv.k.dtype, dtype, kv.quantized, batch == 1, kv.kv_heads == 1, kv.head_dim)
         with self._lock:
             ready = kind in self._ready
             if not ready and kind not in self._pending:
@@ -142,8 +136,7 @@ class PagedReader:
             slots = torch.arange(rows * 263) % 1013
             positions = torch.arange(263).repeat(rows)
             cos, sin = torch.zeros(389, half), torch.zeros(389, half)  # distinct, as in use
-            function(stand_in.k, stand_in.v, stand_in.k_scale, stand_in.v_scale, slots,
-                     positions, cos, sin, dtype)
+            function(stand_in, slots, positions, cos, sin, dtype)
             with self._lock:
                 self._ready.add(kind)
         except Exception as error:  # no C++ compiler, an unsupported platform
