@@ -129,7 +129,7 @@ class PagedReader:
         """Compile one kind of read on stand-ins whose sizes share no value (dynamic shapes
         would otherwise assume a coincidence holds)."""
         try:
-            _import_compiler_quietly()
+            import_compiler_quietly()
             dtype, half = kind[1], kv.head_dim // 2
             stand_in = PagedKV.zeros(1013, kv.kv_heads, kv.head_dim, kv.k.dtype, kv.page_size)
             rows = 2 if batch > 1 else 1
@@ -150,7 +150,7 @@ class PagedReader:
         log.warning("compiled paged K/V reads are off (%s); reading eagerly", self.compile_error)
 
 
-def _import_compiler_quietly() -> None:
+def import_compiler_quietly() -> None:
     """Import inductor's C++ toolchain module without its import-time warning on machines
     without CUDA ("No CUDA runtime is found"), which would land in the middle of a user's
     output; a CPU compile does not need CUDA."""

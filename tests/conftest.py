@@ -11,6 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Compiled paged reads cost seconds of compiling in every test process (servers, workers);
 # tests/test_paged_read.py turns them on explicitly and checks them against eager reads.
 os.environ.setdefault("STREAMGROK_COMPILED_READS", "0")
+# Likewise compiled decode steps; tests/test_compiled_decode.py turns them on.
+os.environ.setdefault("STREAMGROK_COMPILED_DECODE", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kernels.rotary import apply_rotary
 from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.compiled_decode import DecodeView
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.rotary import Rotary
 
@@ -29,12 +30,31 @@ class ContiguousKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (config.num_layers, max_seqs, config.num_kv_heads, capacity, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # a tensor per layer: a compiled decode step writes each as its own input
+        shape = (max_seqs, config.num_kv_heads, capacity, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device)
+                  for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device)
+                  for _ in range(config.num_layers)]
         self.lengths = [0] * max_seqs
         self.capacity = capacity
         self.rotary = Rotary(config, device)
+
+    @property
+    def decode_like(self) -> torch.Tensor:
+        """A tensor like the views `decode_view` gives (for a compiled step's stand-ins)."""
+        return self.k[0]
+
+    def decode_view(self, batch: BatchMetadata) -> DecodeView | None:
+        """The prepared decode batch for a compiled step (`streamgrok.model.compiled_decode`):
+        the whole K/V stores and the positions; None unless the batch is every slot of the
+        cache in order (a compiled step writes and reads the stores' rows as its batch)."""
+        step: _StepState = batch.backend_state
+        if step.decode is None or batch.seq_ids != list(range(len(self.lengths))):
+            return None
+        device = self.k[0].device
+        return DecodeView(self.k, self.v, torch.tensor(step.starts, device=device),
+                          torch.arange(step.decode[1], device=device), step.cos, step.sin)
 
     def reset(self, seq_id: int) -> None:
         """Forget a sequence's tokens so its slot can be reused."""
@@ -55,7 +75,7 @@ class ContiguousKVCache:
                 )
         for seq, start, n in zip(batch.seq_ids, starts, batch.query_lens):
             self.lengths[seq] = start + n
-        device = self.k.device
+        device = self.k[0].device
         positions = torch.cat(
             [torch.arange(st, st + n) for st, n in zip(starts, batch.query_lens)]
         ).to(device)
@@ -84,8 +104,8 @@ class ContiguousKVCache:
         k = apply_rotary(k, step.cos, step.sin)
         spans = batch.spans()
         for (seq, row, n), start in zip(spans, starts):
-            self.k[layer, seq, :, start : start + n] = k[row : row + n].transpose(0, 1)
-            self.v[layer, seq, :, start : start + n] = v[row : row + n].transpose(0, 1)
+            self.k[layer][seq, :, start : start + n] = k[row : row + n].transpose(0, 1)
+            self.v[layer][seq, :, start : start + n] = v[row : row + n].transpose(0, 1)
         if step.decode is not None:
             return self._decode(layer, q, *step.decode)
         out = torch.empty_like(q)
@@ -97,8 +117,8 @@ class ContiguousKVCache:
         self, layer: int, q: torch.Tensor, seq: int, start: int, n: int
     ) -> torch.Tensor:
         total = start + n
-        keys = self.k[layer, seq, :, :total]
-        values = self.v[layer, seq, :, :total]
+        keys = self.k[layer][seq, :, :total]
+        values = self.v[layer][seq, :, :total]
         mask = torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=start)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True
@@ -109,8 +129,8 @@ class ContiguousKVCache:
         self, layer: int, q: torch.Tensor, slots: torch.Tensor | slice, total: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        keys = self.k[layer, slots, :, :total]
-        values = self.v[layer, slots, :, :total]
+        keys = self.k[layer][slots, :, :total]
+        values = self.v[layer][slots, :, :total]
         out = F.scaled_dot_product_attention(
             q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True)
         return out[:, :, 0, :].to(q.dtype)

@@ -14,6 +14,7 @@ from torch import nn
 from kernels import rmsnorm
 from kernels.ops import KernelOps
 from streamgrok.model.batch import AttentionBackend, BatchMetadata
+from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.config import ModelConfig
 
 
@@ -116,6 +117,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.kernels = KernelOps()  # Triton on CUDA, PyTorch elsewhere; tests may force one
+        self.compiled_decode = CompiledDecode()  # CPU decode steps as one graph, once compiled
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -137,7 +139,11 @@ class Transformer(nn.Module):
         input_ids is the packed [tokens] id tensor; rows listed in `batch.embed_rows` take
         `batch.embed_values` instead of their token embedding.
         """
+        compiled = self.compiled_decode.wants(self, input_ids, batch, backend)
         backend.prepare(batch)
+        if compiled and (logits := self.compiled_decode.run(self, input_ids, batch,
+                                                            backend)) is not None:
+            return logits
         x = self.embed_tokens(input_ids, batch)
         for layer in self.layers:
             x = layer(x, batch, backend, self.kernels)

@@ -1,0 +1,274 @@
+"""Decode steps on the CPU as one compiled graph: the whole model, embedding to logits.
+
+A batch-1 decode step of a small model is a few hundred small PyTorch calls from Python:
+SmolLM2-135M (q4, 2 threads) spent 13 of its 20 ms outside the int4 matmuls, in dispatch,
+tiny norm/rotary/residual ops and the attention call's fixed cost. `CompiledDecode` traces
+the step once with torch.compile (inductor's C++ backend) into one graph: the norms,
+rotary, residuals and SwiGLU fuse into a few loops around the quantized matmuls, and the
+attention over the contiguous cache is a masked matmul-softmax in the same graph.
+
+Compilation runs on a background thread on stand-in tensors while steps run eagerly (tens
+of seconds on two cores the first time; inductor's on-disk cache makes later processes
+quick), and compiled steps run under `fail_on_recompile`: the model's thread never waits for
+the compiler. Where a step is not of the compiled kind (prefill, frame embeddings, a batch
+that is not every slot of the cache, a cache without `decode_view`, CUDA tensors) it runs
+eagerly; the eager model is the oracle. STREAMGROK_COMPILED_DECODE=0 turns it off.
+
+The contiguous cache (one-shot generation, `streamgrok chat`, `bench decode`) gives decode
+views; the engine's paged streaming cache does not yet (its attention keeps Python-side
+page plans and eviction scores), so live sessions decode eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+from kernels.paged_read import import_compiler_quietly
+from streamgrok.model.batch import BatchMetadata
+
+if TYPE_CHECKING:
+    from streamgrok.model.llama import Transformer
+
+log = logging.getLogger(__name__)
+
+COMPILED_DECODE_ENV = "STREAMGROK_COMPILED_DECODE"  # "0": decode eagerly
+_EXTRA_CAPACITY = 9  # the stand-in stores hold more positions than are attended over
+
+
+def compiled_decode_by_default() -> bool:
+    """Whether decode steps compile unless told (off where STREAMGROK_COMPILED_DECODE=0:
+    many short processes, such as the test suite, would spend more compiling than saving)."""
+    return os.environ.get(COMPILED_DECODE_ENV, "1") != "0"
+
+
+@dataclass
+class DecodeView:
+    """What a compiled decode step needs from a cache: its whole K/V stores, one per layer
+    [batch, kv_heads, capacity, head_dim] (contiguous, a row per sequence of the batch,
+    written in place), each sequence's new position [batch], the key positions to
+    attend over, `arange(T)` with T > every new position, and the rotary cos/sin
+    [batch, head_dim/2]. (Whole contiguous stores, not views of them: a view's strides
+    would enter the compiled graph's guards; one tensor per layer, as inductor copies a
+    mutated input back whole.)"""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: torch.Tensor
+    key_positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class DecodeViewSource(Protocol):
+    """An attention backend that can hand a prepared decode batch to a compiled step."""
+
+    decode_like: torch.Tensor  # a tensor of its K/V's dtype, device and inference mode
+
+    def decode_view(self, batch: BatchMetadata) -> DecodeView | None:
+        """The batch's view after `prepare`, or None where it cannot be given (then the step
+        runs eagerly)."""
+        ...
+
+
+class _ViewAttention:
+    """The attention backend inside the compiled graph: stores each layer's new K/V at its
+    position in the stores, then attends over their first T positions with a causal length
+    mask."""
+
+    def __init__(self, view: DecodeView) -> None:
+        self.view = view
+        self.mask = (view.key_positions[None, :] <= view.positions[:, None])[:, None, None, :]
+        self.rows = torch.arange(view.positions.shape[0], device=view.positions.device)
+        self.cos, self.sin = view.cos[:, None, :], view.sin[:, None, :]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               batch: BatchMetadata | None) -> torch.Tensor:
+        view = self.view
+        q, k = self._rotated(q), self._rotated(k)
+        store_k, store_v = view.keys[layer], view.values[layer]  # [B, kv_heads, capacity, D]
+        store_k[self.rows, :, view.positions] = k.to(store_k.dtype)
+        store_v[self.rows, :, view.positions] = v.to(store_v.dtype)
+        used = view.key_positions.shape[0]
+        keys, values = store_k[:, :, :used], store_v[:, :, :used]
+        rows, heads, dim = q.shape
+        kv_heads = keys.shape[1]
+        grouped = q.to(keys.dtype).view(rows, kv_heads, heads // kv_heads, dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * dim ** -0.5
+        weights = scores.masked_fill(~self.mask, float("-inf")).softmax(-1)
+        out = torch.matmul(weights.to(values.dtype), values)
+        return out.reshape(rows, heads, dim).to(q.dtype)
+
+    def _rotated(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def decode_graph(model: nn.Module, input_ids: torch.Tensor, view: DecodeView) -> torch.Tensor:
+    """One decode step of `model` (a `Transformer`) for the batch in `view`: logits
+    [batch, vocab] for each sequence's new token; written to be traced whole."""
+    backend = _ViewAttention(view)
+    x = model.embed(input_ids)
+    for layer in model.layers:
+        x = layer(x, None, backend, model.kernels)
+    return model.output(model.norm(x, model.kernels)).float()
+
+
+class CompiledDecode:
+    """The compiled decode step of one model, compiled in the background on first use.
+
+    Two kinds are compiled, one sequence and several (dynamic shapes specialise a size of
+    one), both on one thread, and used once both are ready. A step the compiled graphs do
+    not fit (their guards fail: another cache dtype, say) runs eagerly, counted
+    (`eager_fallbacks`), with one warning; a failed compilation turns compiled decode off
+    for good (`compile_error`). The graphs live with `decode_graph`'s code, shared by the
+    models of a process, within dynamo's cache limit (8 graphs: four models)."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        """`enabled`: None follows `compiled_decode_by_default()`."""
+        if enabled is None:
+            enabled = compiled_decode_by_default()
+        self._function = torch.compile(decode_graph) \
+            if enabled and hasattr(torch, "compile") else None
+        self.compile_error: str | None = None
+        self.compiled_steps = 0  # steps that ran compiled
+        self.eager_fallbacks = 0  # compiled-kind steps the compiled graph did not fit
+        self._lock = threading.Lock()  # guards _ready and _thread
+        self._ready = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether steps may run compiled (False when off or once a compilation failed)."""
+        return self._function is not None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the compiled steps are in use."""
+        with self._lock:
+            return self._ready and self._function is not None
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for a compilation under way (benchmarks, before they time); True when the
+        compiled steps are in use."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        return self.ready
+
+    def wants(self, model: Transformer, input_ids: torch.Tensor, batch: BatchMetadata,
+              backend: object) -> bool:
+        """Whether this step is of the compiled kind (checked before the backend prepares
+        it): a CPU decode step of token ids on a backend that gives decode views."""
+        return (self._function is not None and batch.is_decode and batch.embed_rows is None
+                and input_ids.device.type == "cpu" and hasattr(backend, "decode_view")
+                and model.kernels.backend != "triton")
+
+    def run(self, model: Transformer, input_ids: torch.Tensor, batch: BatchMetadata,
+            backend: DecodeViewSource) -> torch.Tensor | None:
+        """Logits of a prepared decode step, compiled; None where the step must run eagerly
+        (not compiled yet: the compilation starts; or no view for this batch)."""
+        function = self._function
+        if function is None or not self._started_or_ready(model, backend):
+            return None
+        view = backend.decode_view(batch)
+        if view is None:
+            return None
+        with torch.inference_mode():  # the stand-ins' kind, whatever the caller's tensors
+            ids = input_ids.clone()
+            view = DecodeView(view.keys, view.values, view.positions.clone(),
+                              view.key_positions.clone(), view.cos.clone(), view.sin.clone())
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    logits = function(model, ids, view)
+            except Exception as error:  # a guard this step fails: never compile here
+                self._fell_back(error)
+                return None
+        self.compiled_steps += 1
+        if batch.logit_rows is not None:
+            logits = logits.index_select(0, batch.logit_rows)
+        return logits
+
+    def _started_or_ready(self, model: Transformer, backend: DecodeViewSource) -> bool:
+        with self._lock:
+            if self._ready:
+                return True
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._compile, args=(model, backend), name="decode-compile",
+                    daemon=True)
+                self._thread.start()
+            return False
+
+    def _compile(self, model: Transformer, backend: DecodeViewSource) -> None:
+        try:
+            import_compiler_quietly()
+            function = self._function
+            if function is None:
+                return
+            tokens, several = _stand_in_sizes(model)
+            for batch in (1, several):
+                ids, view = _stand_ins(model, backend.decode_like, batch, tokens)
+                with torch.inference_mode():
+                    function(model, ids, view)
+            with self._lock:
+                self._ready = True
+        except Exception as error:  # no C++ compiler, an unsupported platform
+            self._turn_off(error)
+
+    def _fell_back(self, error: Exception) -> None:
+        if not self.eager_fallbacks:
+            log.warning("a decode step ran eagerly: the compiled one does not fit it (%s: %s)",
+                        type(error).__name__, error)
+        self.eager_fallbacks += 1
+
+    def _turn_off(self, error: Exception) -> None:
+        self._function, self.compile_error = None, f"{type(error).__name__}: {error}"
+        log.warning("compiled decode is off (%s); decoding eagerly", self.compile_error)
+
+
+def _stand_in_sizes(model: Transformer) -> tuple[int, int]:
+    """Cached tokens and a batch of several for the stand-ins: values no other size of the
+    graph has, and not 0 or 1 (dynamic shapes assume a coincidence of sizes holds, and
+    specialise a size of one)."""
+    config = model.config
+    taken = {config.num_layers, config.num_kv_heads, config.head_dim, config.head_dim // 2,
+             config.num_heads, config.hidden_size, config.vocab_size}
+    free = [n for n in range(3, 1000) if n not in taken]
+    several = free[0]
+    tokens = next(n for n in free if n > 16 and n + _EXTRA_CAPACITY in free)
+    return tokens, several
+
+
+def _stand_ins(model: Transformer, like: torch.Tensor, batch: int, tokens: int
+               ) -> tuple[torch.Tensor, DecodeView]:
+    """Token ids and zero K/V stores like the cache's (`like`'s dtype, made in inference
+    mode or not as `like` was: guards tell them apart) for `batch` sequences attending over
+    `tokens`, the sizes that vary in use marked dynamic."""
+    config = model.config
+    store = (batch, config.num_kv_heads, tokens + _EXTRA_CAPACITY, config.head_dim)
+    with torch.inference_mode(like.is_inference()):
+        keys, values = ([torch.zeros(store, dtype=like.dtype)
+                         for _ in range(config.num_layers)] for _ in range(2))
+    with torch.inference_mode():
+        half = config.head_dim // 2
+        view = DecodeView(keys, values, (torch.arange(batch) * 5 + 7) % tokens,
+                          torch.arange(tokens), torch.ones(batch, half), torch.zeros(batch, half))
+        ids = torch.zeros(batch, dtype=torch.long)
+    stores = [*keys, *values]
+    for tensor in stores:
+        torch._dynamo.mark_dynamic(tensor, 2)
+    torch._dynamo.mark_dynamic(view.key_positions, 0)
+    if batch > 1:
+        for tensor in [*stores, view.positions, view.cos, view.sin, ids]:
+            torch._dynamo.mark_dynamic(tensor, 0)
+    return ids, view

@@ -1,0 +1,138 @@
+"""Compiled decode steps (torch.compile of the whole step on the contiguous cache) give the
+eager model's logits and cache contents; steps of another kind run eagerly; a failed
+compilation turns it off without changing a result."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import random_model, tiny_config
+
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.compiled_decode import COMPILED_DECODE_ENV, CompiledDecode
+from streamgrok.model.contiguous_cache import ContiguousKVCache
+from streamgrok.model.quantized import quantize_model
+
+
+@pytest.fixture(scope="module", params=["f32", "q4"])
+def compiled_model(request):
+    """A tiny model whose decode steps are compiled (once for the module's tests)."""
+    model = quantize_model(random_model(tiny_config()), request.param)
+    model.compiled_decode = CompiledDecode(enabled=True)
+    cache = ContiguousKVCache(model.config, 1, 40)
+    with torch.inference_mode():
+        model(torch.tensor([5, 6, 7]), BatchMetadata.build([0], [3]), cache)
+        model(torch.tensor([8]), BatchMetadata.build([0], [1]), cache)  # starts compiling
+    assert model.compiled_decode.wait_compiled(timeout=900), model.compiled_decode.compile_error
+    return model, request.param
+
+
+def eager(model):
+    """The model with compiled decode swapped out, for `with`."""
+    class Swap:
+        def __enter__(self):
+            self.kept, model.compiled_decode = model.compiled_decode, CompiledDecode(False)
+
+        def __exit__(self, *exc):
+            model.compiled_decode = self.kept
+    return Swap()
+
+
+def prefilled(model, slots: int, capacity: int, dtype=torch.float32) -> ContiguousKVCache:
+    cache = ContiguousKVCache(model.config, slots, capacity, dtype)
+    gen = torch.Generator().manual_seed(slots * 100 + capacity)
+    with torch.inference_mode(), eager(model):
+        for seq in range(slots):
+            n = 3 + 4 * seq
+            ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
+            model(ids, BatchMetadata.build([seq], [n]), cache)
+    return cache
+
+
+def same_cache(a: ContiguousKVCache, b: ContiguousKVCache) -> bool:
+    return a.lengths == b.lengths and all(
+        torch.allclose(x, y, atol=1e-5) for x, y in zip(a.k + a.v, b.k + b.v))
+
+
+@pytest.mark.parametrize(("slots", "capacity"), [(1, 23), (1, 61), (3, 30), (5, 47)])
+def test_compiled_steps_equal_eager_steps(compiled_model, slots, capacity):
+    model, weights = compiled_model
+    compiled, reference = prefilled(model, slots, capacity), prefilled(model, slots, capacity)
+    decode = model.compiled_decode
+    before, fallbacks = decode.compiled_steps, decode.eager_fallbacks
+    batch = BatchMetadata.build(list(range(slots)), [1] * slots)
+    gen = torch.Generator().manual_seed(slots)
+    tolerance = 1e-4 if weights == "f32" else 0.05  # q4 runs its matmuls on bfloat16
+    with torch.inference_mode():
+        for _ in range(6):  # every cache size and batch from the stand-ins' graphs
+            ids = torch.randint(0, model.config.vocab_size, (slots,), generator=gen)
+            got = model(ids, batch, compiled)
+            with eager(model):
+                want = model(ids, batch, reference)
+            torch.testing.assert_close(got, want, atol=tolerance, rtol=0.01)
+    assert decode.compiled_steps == before + 6
+    assert decode.eager_fallbacks == fallbacks  # no recompilation was needed
+    if weights == "f32":
+        assert same_cache(compiled, reference)
+
+
+def test_other_steps_run_eagerly(compiled_model):
+    model, _ = compiled_model
+    decode = model.compiled_decode
+    cache, reference = prefilled(model, 3, 30), prefilled(model, 3, 30)
+    before = decode.compiled_steps
+    with torch.inference_mode():
+        # a prefill chunk, and a decode step of some of the cache's sequences
+        for batch, ids in ((BatchMetadata.build([1], [2]), torch.tensor([3, 4])),
+                           (BatchMetadata.build([0, 2], [1, 1]), torch.tensor([5, 6]))):
+            got = model(ids, batch, cache)
+            with eager(model):
+                want = model(ids, batch, reference)
+            torch.testing.assert_close(got, want)
+    assert decode.compiled_steps == before
+    assert cache.lengths == reference.lengths == [4, 9, 12]
+
+
+def test_a_cache_the_graph_does_not_fit_decodes_eagerly(compiled_model, caplog):
+    model, _ = compiled_model
+    decode = model.compiled_decode
+    cache = prefilled(model, 1, 30, torch.bfloat16)  # the stand-ins were float32
+    reference = prefilled(model, 1, 30, torch.bfloat16)
+    fallbacks = decode.eager_fallbacks
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        got = model(torch.tensor([9]), BatchMetadata.build([0], [1]), cache)
+        with eager(model):
+            want = model(torch.tensor([9]), BatchMetadata.build([0], [1]), reference)
+    torch.testing.assert_close(got, want)
+    assert decode.eager_fallbacks == fallbacks + 1 and decode.ready
+
+
+def test_a_failed_compilation_turns_compiled_decode_off(caplog):
+    model = random_model(tiny_config())
+    decode = model.compiled_decode = CompiledDecode(enabled=True)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    decode._function = broken
+    cache, reference = prefilled(model, 1, 20), prefilled(model, 1, 20)
+    batch = BatchMetadata.build([0], [1])
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        model(torch.tensor([4]), batch, cache)
+        assert not decode.wait_compiled(timeout=60)
+        got = model(torch.tensor([5]), batch, cache)
+    with torch.inference_mode(), eager(model):
+        model(torch.tensor([4]), batch, reference)
+        want = model(torch.tensor([5]), batch, reference)
+    torch.testing.assert_close(got, want)
+    assert not decode.enabled and "no C++ compiler" in decode.compile_error
+    assert "compiled decode is off" in caplog.text
+
+
+def test_the_environment_turns_compiled_decode_off(monkeypatch):
+    monkeypatch.setenv(COMPILED_DECODE_ENV, "0")
+    assert not CompiledDecode().enabled
+    monkeypatch.setenv(COMPILED_DECODE_ENV, "1")
+    assert CompiledDecode().enabled
