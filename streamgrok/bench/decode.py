@@ -74,7 +74,9 @@ def _rows(batches: list[int], context: int) -> list[tuple[str, str, bool]]:
         label = "decode batch 1 tok/s" if batch == 1 else \
             f"decode {batch} seq @{context} tok/s"
         rows.append((label, f"decode_b{batch}_tok_s", True))
-    rows += [("peak RSS MB", "peak_rss_mb", False), ("weights MB", "weight_mb", False),
+        rows.append(("  uncompiled (same run)", f"decode_b{batch}_eager_tok_s", True))
+    rows += [("compile s (decode)", "compile_s", False), ("peak RSS MB", "peak_rss_mb", False),
+             ("weights MB", "weight_mb", False),
              ("top-1 vs f32", "top1_agreement", True), ("KL vs f32 nats", "kl_nats", False)]
     return rows
 
@@ -112,7 +114,8 @@ def _plot(columns: list[dict], batches: list[int], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in _rows(batches, 0) if r[1].endswith("tok_s")]
+    rows = [r for r in _rows(batches, 0)
+            if r[1].endswith("tok_s") and not r[1].endswith("eager_tok_s")]
     fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.2))
     for axis, (label, key, _) in zip(axes, rows):
         names = [c["weights"] for c in columns if c.get(key) is not None]

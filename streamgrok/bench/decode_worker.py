@@ -8,6 +8,7 @@ import gc
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from streamgrok.bench.corpus import prose_text
 from streamgrok.bench.timing import median, timed
 from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.loader import LoadedModel, load_model
 from streamgrok.runtime import configure_threads, resolve_dtype
@@ -49,6 +51,7 @@ def measure(spec: dict) -> dict:
     out: dict = {"weights": weights, "weight_mb": model.weight_bytes() / 1e6,
                  "decode_read_mb": model.decode_read_bytes() / 1e6}
     repeats = spec["repeats"]
+    out["compile_s"] = _compile_decode(loaded)
 
     prompt = torch.tensor(prompt_ids(loaded, spec["prompt_tokens"]))
     cache = ContiguousKVCache(loaded.config, 1, len(prompt), model.dtype, "cpu")
@@ -68,11 +71,31 @@ def measure(spec: dict) -> dict:
                          for _ in range(repeats)])
         out[f"decode_b{batch}_tok_s"] = batch / step_s
         out[f"decode_b{batch}_step_ms"] = step_s * 1e3
+        if out["compile_s"] is not None:  # the same steps uncompiled: the baseline
+            compiled, model.compiled_decode = model.compiled_decode, CompiledDecode(False)
+            step_s = median([_decode_step(loaded, batch, context, spec["steps"])
+                             for _ in range(repeats)])
+            model.compiled_decode = compiled
+            out[f"decode_b{batch}_eager_tok_s"] = batch / step_s
     # the load's peak, before the accuracy pass holds a whole text's logits
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if spec.get("reference_logprobs"):
         out.update(_agreement(loaded, spec))
     return out
+
+
+def _compile_decode(loaded: LoadedModel) -> float | None:
+    """Seconds until the compiled decode steps are in use (one decode step starts their
+    compilation); None where decode is not compiled."""
+    model = loaded.model
+    if not model.compiled_decode.enabled:
+        return None
+    start = time.perf_counter()
+    cache = ContiguousKVCache(loaded.config, 1, 4, model.dtype, "cpu")
+    model(torch.tensor([0]), BatchMetadata.build([0], [1], "cpu"), cache)
+    if not model.compiled_decode.wait_compiled():
+        return None
+    return time.perf_counter() - start
 
 
 def _decode_step(loaded: LoadedModel, batch_size: int, context: int, steps: int) -> float:
