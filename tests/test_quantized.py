@@ -11,7 +11,12 @@ from helpers import random_model, tiny_config, write_gguf
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.loader import load_model
-from streamgrok.model.quantized import Int4Linear, Int8Linear, quantize_model
+from streamgrok.model.quantized import (
+    DEQUANTIZED_MIN_ROWS,
+    Int4Linear,
+    Int8Linear,
+    quantize_model,
+)
 from streamgrok.model.quantized_embedding import Int8Embedding
 
 
@@ -30,6 +35,25 @@ def test_kernel_matches_its_dequantized_weight(kind, error, shape):
     assert (out - reference).abs().max() <= 0.01 * reference.abs().max()
     exact = linear(x)
     assert (out - exact).norm() / exact.norm() < error
+
+
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("shape", [(192, 576), (128, 96), (80, 64)])
+def test_prefill_rows_multiply_by_the_dequantized_weight_like_the_kernel(kind, shape):
+    torch.manual_seed(3)
+    weight = torch.randn(*shape) * 0.05
+    bias = torch.randn(shape[0])
+    quantized = kind(weight, bias)
+    if kind is Int4Linear:  # the unpacked layout is PyTorch's own: checked on each weight
+        assert quantized.unpacks == (shape[0] % 64 == 0)
+    x = torch.randn(DEQUANTIZED_MIN_ROWS + 3, shape[1])
+    prefill = quantized(x)
+    kernel_rows = torch.cat([quantized(chunk) for chunk in x.split(7)])  # the packed kernel
+    reference = torch.nn.functional.linear(x.bfloat16().float(), quantized.dequantized(), bias)
+    scale = reference.abs().max()
+    assert prefill.shape == (len(x), shape[0]) and prefill.dtype == x.dtype
+    assert (prefill - reference).abs().max() <= 0.01 * scale
+    assert (prefill - kernel_rows).abs().max() <= 0.01 * scale
 
 
 def test_int4_byte_layout_dequantizes_like_the_cpu_kernel():

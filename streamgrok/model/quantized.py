@@ -23,6 +23,12 @@ WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
 Q4_GROUP = 32
 Q4_INNER_K_TILES = 2
 QUANTIZE_BLOCK_ELEMENTS = 1 << 21  # weights quantized per block of rows (8 MB of float32)
+# From this many rows (a prefill chunk) a layer multiplies by its weight dequantized to
+# bfloat16 (oneDNN's AMX/AVX-512 bfloat16 matmul) instead of the packed kernels, which
+# are built for a few rows: 3072x576 at 512 rows, 2 threads, int4 kernel 12.0 ms,
+# dequantize + bfloat16 matmul 4.7 ms; the two cross near 150 rows.
+DEQUANTIZED_MIN_ROWS = 160
+_CPU_PACK_BLOCK = 64  # output rows per block of PyTorch's CPU int4 layout
 
 
 @dataclass
@@ -114,7 +120,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu":
+        if flat.device.type == "cpu" and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
+            out = F.linear(flat.to(torch.bfloat16), self.dequantized(torch.bfloat16)).to(x.dtype)
+        elif flat.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.qweight,
                                                      self.scales).to(x.dtype)
         else:
@@ -125,6 +133,8 @@ class Int8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the kernel sees it, [out, in]."""
+        if dtype == torch.bfloat16:
+            return self.qweight.to(dtype) * self.scales[:, None]
         return (self.qweight.to(torch.float32) * self.scales.float()[:, None]).to(dtype)
 
 
@@ -155,8 +165,10 @@ class Int4Linear(nn.Module):
         q = rows.values
         out_features, in_features = q.shape
         self.on_cpu = cpu_kernel
+        self.unpacks = False  # whether `_transposed_bf16` can read the packed layout
         if self.on_cpu:  # the layout PyTorch's CPU kernel reads
             packed = _pack_for_cpu(q)
+            self.unpacks = _unpacks_exactly(packed, q)
         else:  # two values a byte, dequantized per call
             packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
         self.register_buffer("packed", packed)
@@ -169,7 +181,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
-        if self.on_cpu:
+        if self.unpacks and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
+            out = torch.matmul(flat.to(torch.bfloat16), self._transposed_bf16()).to(x.dtype)
+        elif self.on_cpu:
             out = self._kernel(flat).to(x.dtype)
         else:
             out = F.linear(flat, self.dequantized(x.dtype))
@@ -180,6 +194,19 @@ class Int4Linear(nn.Module):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_and_zeros)
+
+    def _transposed_bf16(self) -> torch.Tensor:
+        """W^T [in, out] in bfloat16, unpacked from PyTorch's CPU layout (blocks of 64
+        output rows; a block is [in, 32] bytes, the low nibble of byte c holding row c and
+        the high one row c + 32), a temporary for one prefill matmul."""
+        blocks, groups = self.out_features // _CPU_PACK_BLOCK, self.in_features // Q4_GROUP
+        half = _CPU_PACK_BLOCK // 2
+        packed = self.packed.view(blocks, groups, Q4_GROUP, half)
+        levels = torch.cat([packed & 15, packed >> 4], dim=3)  # [blocks, groups, 32, 64]
+        scales_zeros = self.scales_and_zeros.view(groups, blocks, 1, _CPU_PACK_BLOCK, 2) \
+            .transpose(0, 1)
+        weight = (levels.to(torch.bfloat16) - 8) * scales_zeros[..., 0] + scales_zeros[..., 1]
+        return weight.permute(1, 2, 0, 3).reshape(self.in_features, self.out_features)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the kernel sees it, [out, in] (on CPU read back through the kernel:
@@ -204,6 +231,19 @@ def _pack_for_cpu(levels: torch.Tensor) -> torch.Tensor:
         torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             levels[first:first + step].to(torch.int32), Q4_INNER_K_TILES)
         for first in range(0, out_features, step)])
+
+
+def _unpacks_exactly(packed: torch.Tensor, levels: torch.Tensor) -> bool:
+    """Whether `packed` (PyTorch's CPU int4 layout of `levels` [out, in]) is laid out as
+    `Int4Linear._transposed_bf16` reads it: checked on the first block of rows, since the
+    layout is PyTorch's own and may change; output sizes that are not whole blocks are
+    laid out otherwise and keep the kernel."""
+    rows, in_features = levels.shape
+    if rows % _CPU_PACK_BLOCK:
+        return False
+    block = packed[:_CPU_PACK_BLOCK].reshape(in_features, _CPU_PACK_BLOCK // 2)
+    unpacked = torch.cat([block & 15, block >> 4], dim=1).t()
+    return torch.equal(unpacked, levels[:_CPU_PACK_BLOCK].to(torch.uint8))
 
 
 def quantize_model(model: nn.Module, weights: str) -> nn.Module:
