@@ -24,9 +24,9 @@ Q4_GROUP = 32
 Q4_INNER_K_TILES = 2
 QUANTIZE_BLOCK_ELEMENTS = 1 << 21  # weights quantized per block of rows (8 MB of float32)
 # From this many rows (a prefill chunk) a layer multiplies by its weight dequantized to
-# bfloat16 (oneDNN's AMX/AVX-512 bfloat16 matmul) instead of the packed kernels, which
-# are built for a few rows: 3072x576 at 512 rows, 2 threads, int4 kernel 12.0 ms,
-# dequantize + bfloat16 matmul 4.7 ms; the two cross near 150 rows.
+# bfloat16 (oneDNN's AMX/AVX-512 bfloat16 matmul; float32 where the CPU has no bfloat16)
+# instead of the packed kernels, which are built for a few rows: 3072x576 at 512 rows,
+# 2 threads, int4 kernel 12.0 ms, dequantize + bfloat16 matmul 4.7 ms; they cross near 150.
 DEQUANTIZED_MIN_ROWS = 160
 _CPU_PACK_BLOCK = 64  # output rows per block of PyTorch's CPU int4 layout
 
@@ -121,7 +121,8 @@ class Int8Linear(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
         if flat.device.type == "cpu" and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
-            out = F.linear(flat.to(torch.bfloat16), self.dequantized(torch.bfloat16)).to(x.dtype)
+            dtype = prefill_dtype()
+            out = F.linear(flat.to(dtype), self.dequantized(dtype)).to(x.dtype)
         elif flat.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.qweight,
                                                      self.scales).to(x.dtype)
@@ -165,7 +166,7 @@ class Int4Linear(nn.Module):
         q = rows.values
         out_features, in_features = q.shape
         self.on_cpu = cpu_kernel
-        self.unpacks = False  # whether `_transposed_bf16` can read the packed layout
+        self.unpacks = False  # whether `_transposed` can read the packed layout
         if self.on_cpu:  # the layout PyTorch's CPU kernel reads
             packed = _pack_for_cpu(q)
             self.unpacks = _unpacks_exactly(packed, q)
@@ -182,7 +183,8 @@ class Int4Linear(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
         if self.unpacks and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
-            out = torch.matmul(flat.to(torch.bfloat16), self._transposed_bf16()).to(x.dtype)
+            dtype = prefill_dtype()
+            out = torch.matmul(flat.to(dtype), self._transposed(dtype)).to(x.dtype)
         elif self.on_cpu:
             out = self._kernel(flat).to(x.dtype)
         else:
@@ -195,8 +197,8 @@ class Int4Linear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_and_zeros)
 
-    def _transposed_bf16(self) -> torch.Tensor:
-        """W^T [in, out] in bfloat16, unpacked from PyTorch's CPU layout (blocks of 64
+    def _transposed(self, dtype: torch.dtype) -> torch.Tensor:
+        """W^T [in, out] in `dtype`, unpacked from PyTorch's CPU layout (blocks of 64
         output rows; a block is [in, 32] bytes, the low nibble of byte c holding row c and
         the high one row c + 32), a temporary for one prefill matmul."""
         blocks, groups = self.out_features // _CPU_PACK_BLOCK, self.in_features // Q4_GROUP
@@ -205,7 +207,8 @@ class Int4Linear(nn.Module):
         levels = torch.cat([packed & 15, packed >> 4], dim=3)  # [blocks, groups, 32, 64]
         scales_zeros = self.scales_and_zeros.view(groups, blocks, 1, _CPU_PACK_BLOCK, 2) \
             .transpose(0, 1)
-        weight = (levels.to(torch.bfloat16) - 8) * scales_zeros[..., 0] + scales_zeros[..., 1]
+        scales_zeros = scales_zeros.to(dtype)
+        weight = (levels.to(dtype) - 8) * scales_zeros[..., 0] + scales_zeros[..., 1]
         return weight.permute(1, 2, 0, 3).reshape(self.in_features, self.out_features)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -233,9 +236,15 @@ def _pack_for_cpu(levels: torch.Tensor) -> torch.Tensor:
         for first in range(0, out_features, step)])
 
 
+def prefill_dtype() -> torch.dtype:
+    """The dtype prefill rows multiply in: bfloat16 where oneDNN runs it natively
+    (AVX-512 / AMX), else float32 (emulated bfloat16 would be slower than float32)."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
 def _unpacks_exactly(packed: torch.Tensor, levels: torch.Tensor) -> bool:
     """Whether `packed` (PyTorch's CPU int4 layout of `levels` [out, in]) is laid out as
-    `Int4Linear._transposed_bf16` reads it: checked on the first block of rows, since the
+    `Int4Linear._transposed` reads it: checked on the first block of rows, since the
     layout is PyTorch's own and may change; output sizes that are not whole blocks are
     laid out otherwise and keep the kernel."""
     rows, in_features = levels.shape
