@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.paged_kv import PagedKV
+from kernels.rotary import rotated
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,12 @@ def read_rotated(
     sin: torch.Tensor, dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K rotated to `positions` and V at flat `slots` [N], both [N, kv_heads, D] in `dtype`
-    (`PagedKV.read`); cos/sin tables [> positions, D/2]. The rotation is written as one
-    expression, which a compiler can fuse (`kernels.rotary.apply_rotary` writes into its
-    output in place, which inductor does not compile)."""
+    (`PagedKV.read`); cos/sin tables [> positions, D/2]. The rotation is one expression
+    (`kernels.rotary.rotated`), which a compiler can fuse."""
     k, v = kv.read(slots, dtype)
-    half = cos.shape[-1]
     c = cos.index_select(0, positions)[:, None, :].to(dtype)
     s = sin.index_select(0, positions)[:, None, :].to(dtype)
-    k1, k2 = k[..., :half], k[..., half:]
-    return torch.cat([k1 * c - k2 * s, k2 * c + k1 * s], dim=-1), v
+    return rotated(k, c, s), v
 
 
 class PagedReader:

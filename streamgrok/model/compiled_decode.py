@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kernels.paged_read import import_compiler_quietly
+from kernels.rotary import rotated
 from streamgrok.model.batch import BatchMetadata
 
 if TYPE_CHECKING:
@@ -106,10 +107,7 @@ class _ViewAttention:
         return out.reshape(rows, heads, dim).to(q.dtype)
 
     def _rotated(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotated(x, self.cos.to(x.dtype), self.sin.to(x.dtype))
 
 
 def decode_graph(model: nn.Module, input_ids: torch.Tensor, view: DecodeView) -> torch.Tensor:
