@@ -52,9 +52,9 @@ class ContiguousKVCache:
         step: _StepState = batch.backend_state
         if step.decode is None or batch.seq_ids != list(range(len(self.lengths))):
             return None
-        device = self.k[0].device
-        return DecodeView(self.k, self.v, torch.tensor(step.starts, device=device),
-                          torch.arange(step.decode[1], device=device), step.cos, step.sin)
+        return DecodeView(self.k, self.v, step.positions,
+                          torch.arange(step.decode[1], device=self.k[0].device), step.cos,
+                          step.sin)
 
     def reset(self, seq_id: int) -> None:
         """Forget a sequence's tokens so its slot can be reused."""
@@ -84,10 +84,10 @@ class ContiguousKVCache:
         decode = None
         if batch.is_decode:
             total = max(starts) + 1
-            lengths = torch.tensor(starts, device=device) + 1
+            lengths = positions + 1  # a decode step's positions are its starts
             mask = torch.arange(total, device=device)[None, :] < lengths[:, None]
             decode = (_slots(batch.seq_ids, device), total, mask[:, None, None, :])
-        batch.backend_state = _StepState(starts, cos, sin, decode)
+        batch.backend_state = _StepState(starts, positions, cos, sin, decode)
 
     def attend(
         self,
@@ -150,6 +150,7 @@ class _StepState:
     """One step's batch, as every layer's attention uses it."""
 
     starts: list[int]
+    positions: torch.Tensor  # of the new tokens, packed
     cos: torch.Tensor
     sin: torch.Tensor
     decode: tuple[torch.Tensor | slice, int, torch.Tensor] | None  # slots, total keys, mask
