@@ -36,10 +36,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="torch threads (default: all cores)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                         help="attention/norm kernels: auto = Triton on CUDA, PyTorch on CPU")
-    parser.add_argument("--weights", default="auto", choices=("auto", "f32", "bf16", "q8", "q4"),
+    parser.add_argument("--weights", default="auto",
+                        choices=("auto", "f32", "bf16", "q8", "q4", "w8a8"),
                         help="how the projections and output head are stored: auto (in "
-                             "--dtype), f32, bf16, or weight-only int8 (q8) / int4 (q4) for "
-                             "fast CPU decode")
+                             "--dtype), f32, bf16, weight-only int8 (q8) / int4 (q4) for "
+                             "fast CPU decode, or int8 weights and activations (w8a8, "
+                             "SmoothQuant-calibrated at load) for fast CPU prefill and "
+                             "batched decode")
 
 
 def _add_cache_options(parser: argparse.ArgumentParser) -> None:
@@ -224,6 +227,9 @@ def _add_bench_commands(commands) -> None:
     decode.add_argument("--repeats", type=int, default=3, help="runs per number (median)")
     decode.add_argument("--formats", default="f32,bf16,q8,q4",
                         help="weight formats compared (f32 is the accuracy reference)")
+    decode.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="K/V cache dtype of every format: auto is the model's compute "
+                             "dtype (llama.cpp's default cache is float16)")
     decode.add_argument("--peer", default=None, choices=("llama.cpp",),
                         help="also measure llama.cpp's own benchmarks on the same GGUF")
     decode.add_argument("--peer-bin", default=None,
@@ -418,7 +424,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          batches=[int(b) for b in args.batches.split(",")],
                          context=args.context, batch1_context=args.batch1_context,
                          steps=args.steps, repeats=args.repeats, peer=args.peer,
-                         peer_bin=args.peer_bin, out=args.out)
+                         peer_bin=args.peer_bin, kv_dtype=args.kv_dtype, out=args.out)
         return 0
     if args.bench == "kv":
         from pathlib import Path

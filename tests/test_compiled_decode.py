@@ -8,18 +8,24 @@ import logging
 
 import pytest
 import torch
-from helpers import random_model, tiny_config
+from helpers import random_model, tiny_config, write_gguf
 
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import COMPILED_DECODE_ENV, CompiledDecode
 from streamgrok.model.contiguous_cache import ContiguousKVCache
+from streamgrok.model.loader import load_model
 from streamgrok.model.quantized import quantize_model
 
 
-@pytest.fixture(scope="module", params=["f32", "q4"])
-def compiled_model(request):
+@pytest.fixture(scope="module", params=["f32", "q4", "w8a8"])
+def compiled_model(request, tmp_path_factory):
     """A tiny model whose decode steps are compiled (once for the module's tests)."""
-    model = quantize_model(random_model(tiny_config()), request.param)
+    if request.param == "w8a8":  # calibrated as it loads
+        path = write_gguf(tmp_path_factory.mktemp("w8a8") / "tiny.gguf",
+                          random_model(tiny_config()))
+        model = load_model(path, weights="w8a8").model
+    else:
+        model = quantize_model(random_model(tiny_config()), request.param)
     model.compiled_decode = CompiledDecode(enabled=True)
     cache = ContiguousKVCache(model.config, 1, 40)
     with torch.inference_mode():

@@ -21,8 +21,9 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
                      prompt_tokens: int = 512, batches: list[int] | None = None,
                      context: int = 512, batch1_context: int = 64, steps: int = 12,
                      repeats: int = 3, peer: str | None = None, peer_bin: str | None = None,
-                     out: str = "bench-results") -> list[dict]:
-    """Print one row per measurement, one column per weight format (and the peer)."""
+                     kv_dtype: str = "auto", out: str = "bench-results") -> list[dict]:
+    """Print one row per measurement, one column per weight format (and the peer); every
+    format's K/V cache in `kv_dtype` (auto: its compute dtype)."""
     import torch
 
     from streamgrok.model.loader import default_model_path
@@ -33,8 +34,8 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
     weights = ["f32", *[w for w in weights if w != "f32"]]  # the accuracy reference first
     print(f"model {model_path.name}  threads {threads}  prefill {prompt_tokens} tokens  "
           f"batch 1 at {batch1_context} tokens, sequences at {context}+{steps} tokens  "
-          f"median of {repeats}; accuracy teacher-forced over {AGREEMENT_TOKENS} tokens of prose",
-          flush=True)
+          f"median of {repeats}; K/V cache {kv_dtype}; accuracy teacher-forced over "
+          f"{AGREEMENT_TOKENS} tokens of prose", flush=True)
     columns: list[dict] = []
     with tempfile.TemporaryDirectory() as scratch:
         reference = str(Path(scratch) / "f32_logprobs.npy")
@@ -42,6 +43,7 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
             spec = {"model": str(model_path), "weights": fmt, "threads": threads,
                     "prompt_tokens": prompt_tokens, "batches": batches, "context": context,
                     "batch1_context": batch1_context, "steps": steps, "repeats": repeats,
+                    "kv_dtype": kv_dtype,
                     "reference_logprobs": reference, "agreement_tokens": AGREEMENT_TOKENS}
             columns.append(_worker(spec, Path(scratch)))
             print(f".. {fmt} done", file=sys.stderr, flush=True)

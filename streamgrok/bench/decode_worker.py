@@ -48,13 +48,15 @@ def measure(spec: dict) -> dict:
     loaded = load_model(spec["model"], dtype, "cpu", weights)
     gc.collect()
     model = loaded.model
+    kv = spec.get("kv_dtype", "auto")
+    kv_dtype = model.dtype if kv == "auto" else resolve_dtype(kv)
     out: dict = {"weights": weights, "weight_mb": model.weight_bytes() / 1e6,
                  "decode_read_mb": model.decode_read_bytes() / 1e6}
     repeats = spec["repeats"]
-    out["compile_s"] = _compile_decode(loaded)
+    out["compile_s"] = _compile_decode(loaded, kv_dtype)
 
     prompt = torch.tensor(prompt_ids(loaded, spec["prompt_tokens"]))
-    cache = ContiguousKVCache(loaded.config, 1, len(prompt), model.dtype, "cpu")
+    cache = ContiguousKVCache(loaded.config, 1, len(prompt), kv_dtype, "cpu")
     prefill_batch = BatchMetadata.build([0], [len(prompt)], "cpu")
 
     def prefill() -> None:
@@ -67,42 +69,42 @@ def measure(spec: dict) -> dict:
     for batch in spec["batches"]:
         # batch 1 as llama-bench's tg128 (a short context), sequences at the long context
         context = spec["batch1_context"] if batch == 1 else spec["context"]
-        step_s = median([_decode_step(loaded, batch, context, spec["steps"])
+        step_s = median([_decode_step(loaded, batch, context, spec["steps"], kv_dtype)
                          for _ in range(repeats)])
         out[f"decode_b{batch}_tok_s"] = batch / step_s
         out[f"decode_b{batch}_step_ms"] = step_s * 1e3
         if out["compile_s"] is not None:  # the same steps uncompiled: the baseline
             compiled, model.compiled_decode = model.compiled_decode, CompiledDecode(False)
-            step_s = median([_decode_step(loaded, batch, context, spec["steps"])
+            step_s = median([_decode_step(loaded, batch, context, spec["steps"], kv_dtype)
                              for _ in range(repeats)])
             model.compiled_decode = compiled
             out[f"decode_b{batch}_eager_tok_s"] = batch / step_s
     # the load's peak, before the accuracy pass holds a whole text's logits
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if spec.get("reference_logprobs"):
-        out.update(_agreement(loaded, spec))
+        out.update(_agreement(loaded, spec, kv_dtype))
     return out
 
 
-def _compile_decode(loaded: LoadedModel) -> float | None:
+def _compile_decode(loaded: LoadedModel, kv_dtype: torch.dtype) -> float | None:
     """Seconds until the compiled decode steps are in use (one decode step starts their
     compilation); None where decode is not compiled."""
     model = loaded.model
     if not model.compiled_decode.enabled:
         return None
     start = time.perf_counter()
-    cache = ContiguousKVCache(loaded.config, 1, 4, model.dtype, "cpu")
+    cache = ContiguousKVCache(loaded.config, 1, 4, kv_dtype, "cpu")
     model(torch.tensor([0]), BatchMetadata.build([0], [1], "cpu"), cache)
     if not model.compiled_decode.wait_compiled():
         return None
     return time.perf_counter() - start
 
 
-def _decode_step(loaded: LoadedModel, batch_size: int, context: int, steps: int) -> float:
+def _decode_step(loaded: LoadedModel, batch_size: int, context: int, steps: int,
+                 kv_dtype: torch.dtype) -> float:
     """Median seconds of a decode step for `batch_size` sequences at `context` tokens."""
     model = loaded.model
-    cache = ContiguousKVCache(loaded.config, batch_size, context + steps + 2, model.dtype,
-                              "cpu")
+    cache = ContiguousKVCache(loaded.config, batch_size, context + steps + 2, kv_dtype, "cpu")
     ids = prompt_ids(loaded, context)
     seqs = list(range(batch_size))
     for seq in seqs:  # one prefill each, as sessions would have
@@ -114,22 +116,25 @@ def _decode_step(loaded: LoadedModel, batch_size: int, context: int, steps: int)
                    for _ in range(steps)])
 
 
-def _agreement(loaded: LoadedModel, spec: dict) -> dict:
-    """Teacher-forced top-1 agreement and KL(float32 || this) on fixed prose; the float32
-    run writes the reference log-probabilities instead."""
+def _agreement(loaded: LoadedModel, spec: dict, kv_dtype: torch.dtype) -> dict:
+    """Teacher-forced top-1 agreement and KL(float32 || this) on fixed prose, this format
+    with its K/V cache in `kv_dtype`; the float32 run writes the reference first (float32
+    weights and cache)."""
     ids = torch.tensor(prose_ids(loaded, spec["agreement_tokens"]))
-    cache = ContiguousKVCache(loaded.config, 1, len(ids), loaded.model.dtype, "cpu")
-    every_row = BatchMetadata([0], [len(ids)], logit_rows=torch.arange(len(ids)))
-    logits = loaded.model(ids, every_row, cache)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
     path = Path(spec["reference_logprobs"])
     if spec["weights"] == "f32":
-        np.save(path, logprobs.numpy())
-        return {"top1_agreement": 1.0, "kl_nats": 0.0, "agreement_tokens": len(logprobs)}
+        np.save(path, _logprobs(loaded, ids, torch.float32).numpy())
     reference = torch.from_numpy(np.load(path))
+    logprobs = _logprobs(loaded, ids, kv_dtype)
     kl = (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
     same = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
-    return {"top1_agreement": same, "kl_nats": kl, "agreement_tokens": len(logprobs)}
+    return {"top1_agreement": same, "kl_nats": max(kl, 0.0), "agreement_tokens": len(ids)}
+
+
+def _logprobs(loaded: LoadedModel, ids: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    cache = ContiguousKVCache(loaded.config, 1, len(ids), kv_dtype, "cpu")
+    every_row = BatchMetadata([0], [len(ids)], logit_rows=torch.arange(len(ids)))
+    return torch.log_softmax(loaded.model(ids, every_row, cache).float(), dim=-1)
 
 
 def main() -> None:

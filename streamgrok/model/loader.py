@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +16,13 @@ from streamgrok.model.config import ModelConfig
 from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
 from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_json
 from streamgrok.model.llama import Transformer, fuse_projections
-from streamgrok.model.quantized import QuantizedRows, quantize_embedding, quantized_rows
+from streamgrok.model.quantized import (
+    WEIGHT_FORMATS,
+    QuantizedRows,
+    quantize_embedding,
+    quantized_rows,
+)
+from streamgrok.model.smoothing import Smoothing, calibration_ids, smoothing_for
 from streamgrok.model.tokenizer import Tokenizer
 from streamgrok.runtime import release_free_memory
 
@@ -63,23 +69,26 @@ def build_model(
     device: torch.device | str = "cpu",
     weights: str = "auto",
     fuse: bool = True,
+    smoothing: Smoothing | None = None,
 ) -> Transformer:
     """Build on the meta device and assign loaded tensors (no double copies). With `weights`
-    q8 or q4 each projection is quantized as it is read, so the float weights are never all
-    in memory at once; `fuse` joins q/k/v and gate/up (see `fuse_projections`)."""
+    q8, q4 or w8a8 each projection is quantized as it is read, so the float weights are
+    never all in memory at once; `fuse` joins q/k/v and gate/up (see `fuse_projections`);
+    `smoothing` (w8a8's, see `streamgrok.model.smoothing`) rescales each tensor first."""
     with torch.device("meta"):
         model = Transformer(config)
-    quantize = weights in ("q8", "q4")
+    quantize = weights in ("q8", "q4", "w8a8")
     linears = {f"{name}.weight" for name, module in model.named_modules()
                if isinstance(module, torch.nn.Linear)}
     state: dict[str, torch.Tensor] = {}
-    packed = _PackedAsRead(config.num_layers, fuse)
+    packed = _PackedAsRead(config.num_layers, fuse, int8_activations=weights == "w8a8")
+    rescaled = smoothing.rescaled if smoothing is not None else (lambda _, tensor: tensor)
     for name, tensor in tensors:
         if quantize and name in linears:
             _check_shape(model, name, tensor)
-            packed.add(name, quantized_rows(tensor.to(device), weights))
+            packed.add(name, quantized_rows(rescaled(name, tensor.to(device)), weights))
         else:
-            state[name] = tensor.to(device)
+            state[name] = rescaled(name, tensor.to(device))
     if config.tie_embeddings and "output.weight" not in state and \
             "output.weight" not in packed.names:
         if quantize and "embed.weight" in state:
@@ -115,7 +124,8 @@ class _PackedAsRead:
     been read (q, k and v for a fused `wqkv`; gate and up for `w_gate_up`), so the unpacked
     levels of only a few weights are in memory at once."""
 
-    def __init__(self, num_layers: int, fuse: bool) -> None:
+    def __init__(self, num_layers: int, fuse: bool, int8_activations: bool = False) -> None:
+        self.int8_activations = int8_activations  # w8a8 layers
         self.parts: dict[str, list[str]] = {}  # fused module path -> the weights it joins
         if fuse:
             for i in range(num_layers):
@@ -131,13 +141,15 @@ class _PackedAsRead:
         self.names.add(name)
         module = name.removesuffix(".weight")
         path = self.fused_into.get(module)
-        if path is None:
-            self.layers[module] = rows.linear()
+        if path is None:  # the output head keeps bfloat16 activations (see smoothing)
+            self.layers[module] = rows.linear(
+                int8_activations=self.int8_activations and module != "output")
             return
         self.waiting[module] = rows
         if all(part in self.waiting for part in self.parts[path]):
             self.layers[path] = QuantizedRows.concat(
-                [self.waiting.pop(part) for part in self.parts[path]]).linear()
+                [self.waiting.pop(part) for part in self.parts[path]]).linear(
+                    int8_activations=self.int8_activations)
 
     def install(self, model: Transformer, state: dict[str, torch.Tensor]) -> None:
         """Put the packed layers (with their biases from `state`) where the meta linears
@@ -191,12 +203,15 @@ def load_model(
     A vision-language folder (SmolVLM2 / Idefics3, LLaVA) brings its vision tower and
     connector as `vision`; so does `mmproj`, a llama.cpp mmproj GGUF beside a text model.
 
-    `weights` stores the projections and the output head: `auto` in `dtype`, or `q8` / `q4`
-    (weight-only int8 / int4, see `streamgrok.model.quantized`); `dtype` stays the dtype of
+    `weights` stores the projections and the output head: `auto` in `dtype`, `q8` / `q4`
+    (weight-only int8 / int4, see `streamgrok.model.quantized`) or `w8a8` (int8 weights and
+    activations, smoothed on a calibration pass: `streamgrok.model.smoothing`, so the
+    weights are read twice); `dtype` stays the dtype of
     everything else (norms, embeddings, the KV cache). `fuse` joins q/k/v and gate/up into
     one matmul each (`fuse_projections`; off keeps the checkpoint's module names)."""
-    if weights not in ("auto", "f32", "bf16", "q8", "q4"):
-        raise ValueError(f"unknown weight format {weights!r} (auto, f32, bf16, q8, q4)")
+    if weights != "auto" and weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r} "
+                         f"(auto, {', '.join(WEIGHT_FORMATS)})")
     loaded = _load(Path(path) if path is not None else default_model_path(), dtype, device,
                    weights, fuse, mmproj)
     # the float temporaries of reading and quantizing (hundreds of MB) stay in the C heap,
@@ -211,16 +226,18 @@ def _load(source: Path, dtype: torch.dtype, device: torch.device | str, weights:
     if source.is_dir():
         raw = read_json(source / "config.json")
         config = config_from_hf(source, raw)
-        model = build_model(config, iter_hf_state_dict(source, dtype), device, weights, fuse)
         extra_eos = _generation_eos(source)
         tokenizer = Tokenizer.from_hf_folder(source, extra_eos)
+        model = _built(config, lambda: iter_hf_state_dict(source, dtype), device, weights,
+                       fuse, tokenizer)
         vision = _folder_vision(source, raw, dtype, device)
     elif source.is_file():
         contents = open_gguf(source)
         config = contents.config
         tokenizer = Tokenizer.from_gguf_metadata(contents.metadata)
         contents.release_metadata()
-        model = build_model(config, iter_state_dict(contents, dtype), device, weights, fuse)
+        model = _built(config, lambda: iter_state_dict(contents, dtype), device, weights,
+                       fuse, tokenizer)
         vision = None
     else:
         raise ModelLoadError(f"model not found: {source} (give a .gguf file or a model folder)")
@@ -234,6 +251,19 @@ def _load(source: Path, dtype: torch.dtype, device: torch.device | str, weights:
     if vision is not None:
         vision.framing.check_vocabulary(tokenizer.hf.token_to_id)
     return LoadedModel(model, tokenizer, config, source, vision)
+
+
+def _built(config: ModelConfig, tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+           device: torch.device | str, weights: str, fuse: bool,
+           tokenizer: Tokenizer) -> Transformer:
+    """The model; for w8a8 built twice: as q8 to measure its activation ranges on the
+    calibration text, then smoothed and quantized to int8 weights and activations."""
+    if weights != "w8a8":
+        return build_model(config, tensors(), device, weights, fuse)
+    calibrated = build_model(config, tensors(), device, "q8", fuse)
+    smoothing = smoothing_for(calibrated, calibration_ids(tokenizer.encode))
+    del calibrated
+    return build_model(config, tensors(), device, weights, fuse, smoothing)
 
 
 def _folder_vision(folder: Path, raw: dict, dtype: torch.dtype,

@@ -1,6 +1,10 @@
-"""Weight-only quantized linear layers for decode: int8 per output channel (`q8`) or int4 in
-groups of 32 input channels with a scale and zero each (`q4`), run by PyTorch's own packed
-CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) on bfloat16 activations.
+"""Quantized linear layers: weight-only int8 per output channel (`q8`) or int4 in groups of
+32 input channels with a scale and zero each (`q4`), run by PyTorch's own packed CPU kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) on bfloat16 activations; or int8
+weights times int8 activations (`w8a8`: each row of activations quantized on the fly with
+its own scale, multiplied by `torch._int_mm`, oneDNN's VNNI int8 GEMM, 4-7x the int8
+weight-only kernel from 32 rows on). w8a8 needs its model smoothed first
+(`streamgrok.model.smoothing`: SmoothQuant), or per-row int8 activations lose too much.
 
 A decode step reads every weight once, so its time follows the weight bytes: int8 is a quarter
 of float32, int4 an eighth. On other devices the weights are dequantized per call (correct,
@@ -19,7 +23,7 @@ from torch import nn
 from streamgrok.model.quantized_embedding import Int8Embedding
 from streamgrok.model.quantized_embedding import fits as embedding_fits
 
-WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4")
+WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4", "w8a8")
 Q4_GROUP = 32
 Q4_INNER_K_TILES = 2
 QUANTIZE_BLOCK_ELEMENTS = 1 << 21  # weights quantized per block of rows (8 MB of float32)
@@ -66,10 +70,12 @@ class QuantizedRows:
         return QuantizedRows(parts[0].kind, torch.cat([p.values for p in parts]),
                              torch.cat([p.scales for p in parts]), zeros)
 
-    def linear(self, bias: torch.Tensor | None = None) -> nn.Module:
-        """The packed linear layer of these rows."""
-        return Int8Linear.from_rows(self, bias) if self.kind == "q8" else \
-            Int4Linear.from_rows(self, bias)
+    def linear(self, bias: torch.Tensor | None = None, int8_activations: bool = False
+               ) -> nn.Module:
+        """The packed linear layer of these rows (q8 rows with `int8_activations`: w8a8)."""
+        if self.kind == "q8":
+            return Int8Linear.from_rows(self, bias, int8_activations)
+        return Int4Linear.from_rows(self, bias)
 
 
 def _quantize_block(w: torch.Tensor, kind: str, values: torch.Tensor, scales: torch.Tensor,
@@ -91,36 +97,46 @@ def _quantize_block(w: torch.Tensor, kind: str, values: torch.Tensor, scales: to
 
 
 def quantized_rows(weight: torch.Tensor, weights: str) -> QuantizedRows:
-    """`weight` as `weights` rows (q4 falls back to int8 where the int4 kernel cannot go)."""
+    """`weight` as `weights` rows (q4 falls back to int8 where the int4 kernel cannot go;
+    w8a8 weights are q8 rows)."""
     four = weights == "q4" and fits_q4(*weight.shape)
     return QuantizedRows.of(weight, "q4" if four else "q8")
 
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W stored as int8 [out, in] and one bfloat16 scale per output row
-    (symmetric, scale = max |w| / 127)."""
+    (symmetric, scale = max |w| / 127). With `int8_activations` (w8a8) each row of x is
+    quantized the same way, to int8 with its own scale, and multiplied in integers."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 int8_activations: bool = False) -> None:
         super().__init__()
-        self._set(QuantizedRows.of(weight, "q8"), bias)
+        self._set(QuantizedRows.of(weight, "q8"), bias, int8_activations)
 
     @classmethod
-    def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None) -> Int8Linear:
+    def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None,
+                  int8_activations: bool = False) -> Int8Linear:
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._set(rows, bias)
+        layer._set(rows, bias, int8_activations)
         return layer
 
-    def _set(self, rows: QuantizedRows, bias: torch.Tensor | None) -> None:
+    def _set(self, rows: QuantizedRows, bias: torch.Tensor | None,
+             int8_activations: bool) -> None:
+        self.int8_activations = int8_activations
         self.register_buffer("qweight", rows.values.contiguous())
-        self.register_buffer("scales", rows.scales.to(torch.bfloat16))
+        # bfloat16 as the weight-only kernel takes them; float32 for the integer product
+        self.register_buffer("scales", rows.scales.to(
+            torch.float32 if int8_activations else torch.bfloat16))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features, self.in_features = rows.values.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu" and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
+        if self.int8_activations:
+            out = self._integer_matmul(flat).to(x.dtype)
+        elif flat.device.type == "cpu" and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
             dtype = prefill_dtype()
             out = F.linear(flat.to(dtype), self.dequantized(dtype)).to(x.dtype)
         elif flat.device.type == "cpu":
@@ -131,6 +147,21 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*shape[:-1], self.out_features)
+
+    def _integer_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T in float32 from int8 x (a scale per row) times int8 W: oneDNN's int8 GEMM
+        on the CPU (W [out, in] read as the transpose it is); elsewhere the same integers
+        multiplied in float32 (exact below 2^24 per sum)."""
+        x = x.float()
+        # few passes over the rows (an eager prefill runs this on 512 rows a layer; a
+        # compiled decode step fuses it whatever the form)
+        row_scales = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-8) / 127.0
+        levels = (x / row_scales).round_().clamp_(-127, 127).to(torch.int8)
+        if x.device.type == "cpu":
+            products = torch._int_mm(levels, self.qweight.t())
+        else:
+            products = levels.float() @ self.qweight.float().t()
+        return (products * row_scales).mul_(self.scales)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the kernel sees it, [out, in]."""
@@ -262,6 +293,9 @@ def quantize_model(model: nn.Module, weights: str) -> nn.Module:
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r} (choose from "
                          f"{', '.join(WEIGHT_FORMATS)})")
+    if weights == "w8a8":
+        raise ValueError("w8a8 needs the model's activation ranges to smooth it first: "
+                         "load it with load_model(path, weights='w8a8')")
     if weights in ("f32", "bf16"):
         return model
     for parent in list(model.modules()):
