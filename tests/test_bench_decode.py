@@ -30,3 +30,13 @@ def test_decode_bench_measures_each_format_against_float32(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "decode 2 seq @32 tok/s" in printed and "q8/f32" in printed
     assert (tmp_path / "out" / "decode.png").stat().st_size > 1000
+
+
+def test_rounds_merge_into_one_column_per_system():
+    from streamgrok.bench.decode import _merged
+
+    rounds = [{"weights": "q4", "prefill_tok_s": 10.0, "peak_rss_mb": 500.0, "kl_nats": 0.05},
+              {"weights": "q4", "prefill_tok_s": 30.0, "peak_rss_mb": 700.0, "kl_nats": None},
+              {"weights": "q4", "prefill_tok_s": 20.0, "peak_rss_mb": 600.0}]
+    assert _merged(rounds) == {"weights": "q4", "prefill_tok_s": 20.0, "peak_rss_mb": 700.0,
+                               "kl_nats": 0.05}

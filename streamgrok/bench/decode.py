@@ -6,6 +6,7 @@ by llama.cpp's own benchmarks on the same GGUF and threads. Ratios are from the 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,29 +35,52 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
     weights = ["f32", *[w for w in weights if w != "f32"]]  # the accuracy reference first
     print(f"model {model_path.name}  threads {threads}  prefill {prompt_tokens} tokens  "
           f"batch 1 at {batch1_context} tokens, sequences at {context}+{steps} tokens  "
-          f"median of {repeats}; K/V cache {kv_dtype}; accuracy teacher-forced over "
-          f"{AGREEMENT_TOKENS} tokens of prose", flush=True)
-    columns: list[dict] = []
-    with tempfile.TemporaryDirectory() as scratch:
-        reference = str(Path(scratch) / "f32_logprobs.npy")
-        for fmt in weights:
-            spec = {"model": str(model_path), "weights": fmt, "threads": threads,
-                    "prompt_tokens": prompt_tokens, "batches": batches, "context": context,
-                    "batch1_context": batch1_context, "steps": steps, "repeats": repeats,
-                    "kv_dtype": kv_dtype,
-                    "reference_logprobs": reference, "agreement_tokens": AGREEMENT_TOKENS}
-            columns.append(_worker(spec, Path(scratch)))
-            print(f".. {fmt} done", file=sys.stderr, flush=True)
+          f"median of {repeats} rounds, each system in turn; K/V cache {kv_dtype}; "
+          f"accuracy teacher-forced over {AGREEMENT_TOKENS} tokens of prose", flush=True)
+    binaries = None
     if peer == "llama.cpp":
         try:
             binaries = find_binaries(peer_bin)
-            columns.append(run_peer(binaries, model_path, threads, prompt_tokens, 128,
-                                    context, [b for b in batches if b > 1], repeats))
         except PeerUnavailable as exc:
             print(f"peer llama.cpp: {exc}")
+    # Rounds, not one system after another: on a shared machine the speed drifts by tens of
+    # percent within minutes, and a ratio of numbers measured apart would carry the drift.
+    rounds: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        reference = str(Path(scratch) / "f32_logprobs.npy")
+        for round_number in range(repeats):
+            for fmt in weights:
+                spec = {"model": str(model_path), "weights": fmt, "threads": threads,
+                        "prompt_tokens": prompt_tokens, "batches": batches,
+                        "context": context, "batch1_context": batch1_context,
+                        "steps": steps, "repeats": 1, "kv_dtype": kv_dtype,
+                        "reference_logprobs": reference if round_number == 0 else None,
+                        "agreement_tokens": AGREEMENT_TOKENS}
+                rounds.setdefault(fmt, []).append(_worker(spec, Path(scratch)))
+                print(f".. round {round_number + 1}: {fmt} done", file=sys.stderr, flush=True)
+            if binaries is not None:
+                rounds.setdefault("llama.cpp", []).append(run_peer(
+                    binaries, model_path, threads, prompt_tokens, 128, context,
+                    [b for b in batches if b > 1], 1))
+    columns = [_merged(runs) for runs in rounds.values()]
     _print_table(columns, batches, context)
     _plot(columns, batches, Path(out))
     return columns
+
+
+def _merged(runs: list[dict]) -> dict:
+    """One system's rounds as one column: the median of each speed, the largest peak RSS,
+    the accuracy of the round that measured it."""
+    merged: dict = {}
+    for key in dict.fromkeys(k for run in runs for k in run):
+        values = [run[key] for run in runs if run.get(key) is not None]
+        if not values or not isinstance(values[0], (int, float)):
+            merged[key] = values[0] if values else None
+        elif key == "peak_rss_mb":
+            merged[key] = max(values)
+        else:
+            merged[key] = statistics.median(values)
+    return merged
 
 
 def _worker(spec: dict, scratch: Path) -> dict:
