@@ -53,7 +53,7 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
                 spec = {"model": str(model_path), "weights": fmt, "threads": threads,
                         "prompt_tokens": prompt_tokens, "batches": batches,
                         "context": context, "batch1_context": batch1_context,
-                        "steps": steps, "repeats": 1, "kv_dtype": kv_dtype,
+                        "steps": steps, "kv_dtype": kv_dtype,
                         "reference_logprobs": reference if round_number == 0 else None,
                         "agreement_tokens": AGREEMENT_TOKENS}
                 rounds.setdefault(fmt, []).append(_worker(spec, Path(scratch)))

@@ -48,11 +48,9 @@ def measure(spec: dict) -> dict:
     loaded = load_model(spec["model"], dtype, "cpu", weights)
     gc.collect()
     model = loaded.model
-    kv = spec.get("kv_dtype", "auto")
-    kv_dtype = model.dtype if kv == "auto" else resolve_dtype(kv)
+    kv_dtype = model.dtype if spec["kv_dtype"] == "auto" else resolve_dtype(spec["kv_dtype"])
     out: dict = {"weights": weights, "weight_mb": model.weight_bytes() / 1e6,
                  "decode_read_mb": model.decode_read_bytes() / 1e6}
-    repeats = spec["repeats"]
     out["compile_s"] = _compile_decode(loaded, kv_dtype)
 
     prompt = torch.tensor(prompt_ids(loaded, spec["prompt_tokens"]))
@@ -64,19 +62,16 @@ def measure(spec: dict) -> dict:
         model(prompt, prefill_batch, cache)
 
     prefill()
-    out["prefill_tok_s"] = len(prompt) / median([timed(prefill, torch.device("cpu"))
-                                                 for _ in range(repeats)])
+    out["prefill_tok_s"] = len(prompt) / timed(prefill, torch.device("cpu"))
     for batch in spec["batches"]:
         # batch 1 as llama-bench's tg128 (a short context), sequences at the long context
         context = spec["batch1_context"] if batch == 1 else spec["context"]
-        step_s = median([_decode_step(loaded, batch, context, spec["steps"], kv_dtype)
-                         for _ in range(repeats)])
+        step_s = _decode_step(loaded, batch, context, spec["steps"], kv_dtype)
         out[f"decode_b{batch}_tok_s"] = batch / step_s
         out[f"decode_b{batch}_step_ms"] = step_s * 1e3
         if out["compile_s"] is not None:  # the same steps uncompiled: the baseline
             compiled, model.compiled_decode = model.compiled_decode, CompiledDecode(False)
-            step_s = median([_decode_step(loaded, batch, context, spec["steps"], kv_dtype)
-                             for _ in range(repeats)])
+            step_s = _decode_step(loaded, batch, context, spec["steps"], kv_dtype)
             model.compiled_decode = compiled
             out[f"decode_b{batch}_eager_tok_s"] = batch / step_s
     # the load's peak, before the accuracy pass holds a whole text's logits
@@ -122,10 +117,13 @@ def _agreement(loaded: LoadedModel, spec: dict, kv_dtype: torch.dtype) -> dict:
     weights and cache)."""
     ids = torch.tensor(prose_ids(loaded, spec["agreement_tokens"]))
     path = Path(spec["reference_logprobs"])
-    if spec["weights"] == "f32":
-        np.save(path, _logprobs(loaded, ids, torch.float32).numpy())
-    reference = torch.from_numpy(np.load(path))
     logprobs = _logprobs(loaded, ids, kv_dtype)
+    if spec["weights"] == "f32":
+        reference = logprobs if kv_dtype == torch.float32 else \
+            _logprobs(loaded, ids, torch.float32)
+        np.save(path, reference.numpy())
+    else:
+        reference = torch.from_numpy(np.load(path))
     kl = (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
     same = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
     return {"top1_agreement": same, "kl_nats": max(kl, 0.0), "agreement_tokens": len(ids)}

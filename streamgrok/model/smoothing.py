@@ -53,16 +53,14 @@ def calibration_ids(encode: Callable[[str], list[int]],
                     tokens: int = CALIBRATION_TOKENS) -> list[int]:
     """`tokens` ids of fixed calibration text: chat-like lines and English prose (the
     Python documentation's topics, a part `bench decode` does not measure on)."""
+    from streamgrok.bench.corpus import prose_text
+
     try:
-        from pydoc_data.topics import topics
-        prose = "\n\n".join(topics[k] for k in sorted(topics))[_CALIBRATION_SKIP_CHARS:]
-        prose = prose[:50_000]
+        prose = prose_text(50_000, skip_chars=_CALIBRATION_SKIP_CHARS)
     except ImportError:  # a Python without its documentation data
         prose = ""
     ids = encode(_CHAT_LINES + prose)
-    while len(ids) < tokens:
-        ids = ids + ids
-    return ids[:tokens]
+    return (ids * (tokens // len(ids) + 1))[:tokens]
 
 
 @dataclass
@@ -84,9 +82,8 @@ class Smoothing:
         columns, rows = self._scales(layer, module)
         if parts[-1] == "bias":  # an output row's bias scales with the row
             return tensor if rows is None else tensor / rows.to(tensor.dtype)
-        if rows is not None:
-            rows = rows.to(tensor.dtype)
-            tensor = tensor / (rows[:, None] if tensor.dim() == 2 else rows)
+        if rows is not None:  # a weight: norms have no row scales
+            tensor = tensor / rows.to(tensor.dtype)[:, None]
         if columns is not None and tensor.dim() == 2:
             tensor = tensor * columns.to(tensor.dtype)
         elif columns is not None:  # a norm weight: what produces the smoothed input
