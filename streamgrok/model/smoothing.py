@@ -53,10 +53,10 @@ def calibration_ids(encode: Callable[[str], list[int]],
                     tokens: int = CALIBRATION_TOKENS) -> list[int]:
     """`tokens` ids of fixed calibration text: chat-like lines and English prose (the
     Python documentation's topics, a part `bench decode` does not measure on)."""
-    from streamgrok.bench.corpus import prose_text
-
-    try:
-        prose = prose_text(50_000, skip_chars=_CALIBRATION_SKIP_CHARS)
+    try:  # (bench.corpus reads the same text; the model layer may not import bench)
+        from pydoc_data.topics import topics
+        prose = "\n\n".join(topics[k] for k in sorted(topics))[_CALIBRATION_SKIP_CHARS:]
+        prose = prose[:50_000]
     except ImportError:  # a Python without its documentation data
         prose = ""
     ids = encode(_CHAT_LINES + prose)
