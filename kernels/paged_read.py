@@ -12,17 +12,14 @@ tests' oracle.
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from collections.abc import Callable
 
 import torch
 
+from kernels.background_compile import BackgroundCompiles
 from kernels.paged_kv import PagedKV
 from kernels.rotary import rotated
-
-log = logging.getLogger(__name__)
 
 COMPILED_READS_ENV = "STREAMGROK_COMPILED_READS"  # "0": read eagerly (e.g. short test runs)
 # Below this many tokens a read is cheap and the compiled call's fixed cost (guards, ~0.1 ms)
@@ -67,30 +64,26 @@ class PagedReader:
             compiled = compiled_reads_by_default()
         if compiled and hasattr(torch, "compile"):
             self._function = torch.compile(read_rotated, dynamic=True)
-        self.compile_error: str | None = None
-        self._lock = threading.Lock()  # guards _ready and _pending (the compile threads)
-        self._ready: set[tuple] = set()
-        self._pending: dict[tuple, threading.Thread] = {}
+        self._compiles = BackgroundCompiles("paged K/V reads")
 
     @property
     def compiled(self) -> bool:
         """Whether reads may run compiled (False when off or once a compilation failed)."""
-        return self._function is not None
+        return self._function is not None and self._compiles.error is None
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why compiled reads are off, if a compilation or a compiled read failed."""
+        return self._compiles.error
 
     def compiled_kinds(self) -> int:
         """How many kinds of read are compiled and in use."""
-        with self._lock:
-            return len(self._ready)
+        return self._compiles.ready_count()
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the compilations under way (benchmarks, before they time); True when none
         is left."""
-        with self._lock:
-            threads = list(self._pending.values())
-        for thread in threads:
-            thread.join(timeout)
-        with self._lock:
-            return not self._pending
+        return self._compiles.wait(timeout)
 
     def read(self, kv: PagedKV, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,56 +98,26 @@ class PagedReader:
 
     def _read(self, args: tuple, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         function, (kv, slots, *_, dtype) = self._function, args
-        if function is None or slots.device.type != "cpu" or slots.numel() < COMPILED_MIN_TOKENS:
+        if not self.compiled or slots.device.type != "cpu" or slots.numel() < COMPILED_MIN_TOKENS:
             return read_rotated(*args)
         kind = (kv.k.dtype, dtype, kv.quantized, batch == 1, kv.kv_heads == 1, kv.head_dim)
-        with self._lock:
-            ready = kind in self._ready
-            if not ready and kind not in self._pending:
-                thread = threading.Thread(target=self._compile, args=(function, kind, kv, batch),
-                                          name="paged-read-compile", daemon=True)
-                self._pending[kind] = thread
-                thread.start()
-        if not ready:
+        if not self._compiles.is_ready(kind):
+            self._compiles.start(kind, lambda: _compile_kind(function, kind, kv, batch))
             return read_rotated(*args)
         try:
             return function(*args)
         except Exception as error:  # a recompilation that failed
-            self._turn_off(error)
+            self._compiles.turn_off(error)
             return read_rotated(*args)
 
-    def _compile(self, function: ReadFn, kind: tuple, kv: PagedKV, batch: int) -> None:
-        """Compile one kind of read on stand-ins whose sizes share no value (dynamic shapes
-        would otherwise assume a coincidence holds)."""
-        try:
-            import_compiler_quietly()
-            dtype, half = kind[1], kv.head_dim // 2
-            stand_in = PagedKV.zeros(1013, kv.kv_heads, kv.head_dim, kv.k.dtype, kv.page_size)
-            rows = 2 if batch > 1 else 1
-            slots = torch.arange(rows * 263) % 1013
-            positions = torch.arange(263).repeat(rows)
-            cos, sin = torch.zeros(389, half), torch.zeros(389, half)  # distinct, as in use
-            function(stand_in, slots, positions, cos, sin, dtype)
-            with self._lock:
-                self._ready.add(kind)
-        except Exception as error:  # no C++ compiler, an unsupported platform
-            self._turn_off(error)
-        finally:
-            with self._lock:
-                self._pending.pop(kind, None)
 
-    def _turn_off(self, error: Exception) -> None:
-        self._function, self.compile_error = None, f"{type(error).__name__}: {error}"
-        log.warning("compiled paged K/V reads are off (%s); reading eagerly", self.compile_error)
-
-
-def import_compiler_quietly() -> None:
-    """Import inductor's C++ toolchain module without its import-time warning on machines
-    without CUDA ("No CUDA runtime is found"), which would land in the middle of a user's
-    output; a CPU compile does not need CUDA."""
-    cpp_log = logging.getLogger("torch.utils.cpp_extension")
-    disabled, cpp_log.disabled = cpp_log.disabled, True
-    try:
-        import torch.utils.cpp_extension  # noqa: F401
-    finally:
-        cpp_log.disabled = disabled
+def _compile_kind(function: ReadFn, kind: tuple, kv: PagedKV, batch: int) -> None:
+    """Compile one kind of read on stand-ins whose sizes share no value (dynamic shapes
+    would otherwise assume a coincidence holds)."""
+    dtype, half = kind[1], kv.head_dim // 2
+    stand_in = PagedKV.zeros(1013, kv.kv_heads, kv.head_dim, kv.k.dtype, kv.page_size)
+    rows = 2 if batch > 1 else 1
+    slots = torch.arange(rows * 263) % 1013
+    positions = torch.arange(263).repeat(rows)
+    cos, sin = torch.zeros(389, half), torch.zeros(389, half)  # distinct, as in use
+    function(stand_in, slots, positions, cos, sin, dtype)

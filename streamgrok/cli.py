@@ -344,10 +344,14 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from streamgrok.model.compiled_decode import CompiledDecode
     from streamgrok.model.generate import Generator
     from streamgrok.model.sampling import SamplingParams
 
-    generator = Generator(_load(args))
+    loaded = _load(args)
+    if args.question:  # one answer: a decode compilation (seconds) would not pay for itself
+        loaded.model.compiled_decode = CompiledDecode(enabled=False)
+    generator = Generator(loaded)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,

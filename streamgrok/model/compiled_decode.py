@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
-from kernels.paged_read import import_compiler_quietly
+from kernels.background_compile import BackgroundCompiles
 from kernels.rotary import rotated
 from streamgrok.model.batch import BatchMetadata
 
@@ -141,38 +140,36 @@ class CompiledDecode:
             enabled = compiled_decode_by_default()
         self._function = torch.compile(decode_graph) \
             if enabled and hasattr(torch, "compile") else None
-        self.compile_error: str | None = None
+        self._compiles = BackgroundCompiles("decode")
         self.compiled_steps = 0  # steps that ran compiled
         self.eager_fallbacks = 0  # compiled-kind steps the compiled graph did not fit
-        self._lock = threading.Lock()  # guards _ready and _thread
-        self._ready = False
-        self._thread: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
         """Whether steps may run compiled (False when off or once a compilation failed)."""
-        return self._function is not None
+        return self._function is not None and self._compiles.error is None
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why compiled decode is off, if its compilation failed."""
+        return self._compiles.error
 
     @property
     def ready(self) -> bool:
         """Whether the compiled steps are in use."""
-        with self._lock:
-            return self._ready and self._function is not None
+        return self._function is not None and self._compiles.is_ready(_STEPS)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for a compilation under way (benchmarks, before they time); True when the
         compiled steps are in use."""
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
+        self._compiles.wait(timeout)
         return self.ready
 
     def wants(self, model: Transformer, input_ids: torch.Tensor, batch: BatchMetadata,
               backend: object) -> bool:
         """Whether this step is of the compiled kind (checked before the backend prepares
         it): a CPU decode step of token ids on a backend that gives decode views."""
-        return (self._function is not None and batch.is_decode and batch.embed_rows is None
+        return (self.enabled and batch.is_decode and batch.embed_rows is None
                 and input_ids.device.type == "cpu" and hasattr(backend, "decode_view")
                 and model.kernels.backend != "triton")
 
@@ -181,7 +178,10 @@ class CompiledDecode:
         """Logits of a prepared decode step, compiled; None where the step must run eagerly
         (not compiled yet: the compilation starts; or no view for this batch)."""
         function = self._function
-        if function is None or not self._started_or_ready(model, backend):
+        if function is None or not self.enabled:
+            return None
+        if not self._compiles.is_ready(_STEPS):
+            self._compiles.start(_STEPS, lambda: _compile_steps(function, model, backend))
             return None
         view = backend.decode_view(batch)
         if view is None:
@@ -201,42 +201,23 @@ class CompiledDecode:
             logits = logits.index_select(0, batch.logit_rows)
         return logits
 
-    def _started_or_ready(self, model: Transformer, backend: DecodeViewSource) -> bool:
-        with self._lock:
-            if self._ready:
-                return True
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._compile, args=(model, backend), name="decode-compile",
-                    daemon=True)
-                self._thread.start()
-            return False
-
-    def _compile(self, model: Transformer, backend: DecodeViewSource) -> None:
-        try:
-            import_compiler_quietly()
-            function = self._function
-            if function is None:
-                return
-            tokens, several = _stand_in_sizes(model)
-            for batch in (1, several):
-                ids, view = _stand_ins(model, backend.decode_like, batch, tokens)
-                with torch.inference_mode():
-                    function(model, ids, view)
-            with self._lock:
-                self._ready = True
-        except Exception as error:  # no C++ compiler, an unsupported platform
-            self._turn_off(error)
-
     def _fell_back(self, error: Exception) -> None:
         if not self.eager_fallbacks:
             log.warning("a decode step ran eagerly: the compiled one does not fit it (%s: %s)",
                         type(error).__name__, error)
         self.eager_fallbacks += 1
 
-    def _turn_off(self, error: Exception) -> None:
-        self._function, self.compile_error = None, f"{type(error).__name__}: {error}"
-        log.warning("compiled decode is off (%s); decoding eagerly", self.compile_error)
+
+_STEPS = "decode steps"  # the one kind: both graphs, one sequence and several
+
+
+def _compile_steps(function, model: Transformer, backend: DecodeViewSource) -> None:
+    """Trace both graphs on stand-ins of the backend's kind."""
+    tokens, several = _stand_in_sizes(model)
+    for batch in (1, several):
+        ids, view = _stand_ins(model, backend.decode_like, batch, tokens)
+        with torch.inference_mode():
+            function(model, ids, view)
 
 
 def _stand_in_sizes(model: Transformer) -> tuple[int, int]:

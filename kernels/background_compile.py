@@ -1,0 +1,99 @@
+"""Compilations on background threads, one per kind of call, that never outlive the process.
+
+A torch.compile of a CPU graph takes seconds to tens of seconds on two cores; callers keep
+running eagerly meanwhile and switch once a kind is ready. The thread is a daemon, so an
+unfinished compilation never keeps a process alive on its own, but a daemon thread still
+inside PyTorch's C++ code when the interpreter finalizes aborts the process ("terminate
+called without an active exception", exit status 134: CPython ends such threads by
+unwinding them through C++ frames). So each compilation under way is joined at exit
+(`atexit`, which runs before daemon threads are ended); a process that exits mid-compilation
+waits for it instead of crashing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Callable, Hashable
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundCompiles:
+    """The compilations of one compiled function: which kinds are ready, which are under way,
+    and the error that turned compilation off for good (`error`; then every call runs
+    eagerly). `what` names the function in the warning a failure logs."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.error: str | None = None
+        self._lock = threading.Lock()  # guards _ready and _pending
+        self._ready: set[Hashable] = set()
+        self._pending: dict[Hashable, threading.Thread] = {}
+
+    def is_ready(self, kind: Hashable) -> bool:
+        """Whether `kind` compiled (and compilation is still on)."""
+        with self._lock:
+            return self.error is None and kind in self._ready
+
+    def ready_count(self) -> int:
+        """How many kinds compiled and are in use."""
+        with self._lock:
+            return 0 if self.error is not None else len(self._ready)
+
+    def start(self, kind: Hashable, compile_kind: Callable[[], None]) -> None:
+        """Run `compile_kind()` on a background thread unless `kind` is ready or under way;
+        an exception from it turns compilation off (`error`, one warning)."""
+        with self._lock:
+            if self.error is not None or kind in self._ready or kind in self._pending:
+                return
+            thread = threading.Thread(target=self._compile, args=(kind, compile_kind),
+                                      name=f"compile {self.what}", daemon=True)
+            self._pending[kind] = thread
+            atexit.register(thread.join)
+            thread.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the compilations under way (benchmarks, before they time); True when none
+        is left."""
+        with self._lock:
+            threads = list(self._pending.values())
+        for thread in threads:
+            thread.join(timeout)
+        with self._lock:
+            return not self._pending
+
+    def turn_off(self, error: Exception) -> None:
+        """Compile no more and run every call eagerly (a compilation or a compiled call
+        failed)."""
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = f"{type(error).__name__}: {error}"
+        log.warning("compiled %s off (%s); running eagerly", self.what, self.error)
+
+    def _compile(self, kind: Hashable, compile_kind: Callable[[], None]) -> None:
+        try:
+            import_compiler_quietly()
+            compile_kind()
+            with self._lock:
+                self._ready.add(kind)
+        except Exception as error:  # no C++ compiler, an unsupported platform
+            self.turn_off(error)
+        finally:
+            with self._lock:
+                self._pending.pop(kind, None)
+            atexit.unregister(threading.current_thread().join)
+
+
+def import_compiler_quietly() -> None:
+    """Import inductor's C++ toolchain module without its import-time warning on machines
+    without CUDA ("No CUDA runtime is found"), which would land in the middle of a user's
+    output; a CPU compile does not need CUDA."""
+    cpp_log = logging.getLogger("torch.utils.cpp_extension")
+    disabled, cpp_log.disabled = cpp_log.disabled, True
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        cpp_log.disabled = disabled
