@@ -27,8 +27,11 @@ def test_decode_bench_measures_each_format_against_float32(tmp_path, capsys):
     agreed = columns[2]["top1_agreement"] * tokens
     assert abs(agreed - round(agreed)) < 1e-6
     assert columns[1]["weight_mb"] < columns[0]["weight_mb"]
+    assert columns[0]["greedy_same"] == 1.0 and columns[0]["greedy_prefix"] == 1.0
+    assert all(0 <= c["greedy_same"] <= c["greedy_prefix"] <= 1 for c in columns)
     printed = capsys.readouterr().out
     assert "decode 2 seq @32 tok/s" in printed and "q8/f32" in printed
+    assert "answers = f32" in printed
     assert (tmp_path / "out" / "decode.png").stat().st_size > 1000
 
 
@@ -40,3 +43,14 @@ def test_rounds_merge_into_one_column_per_system():
               {"weights": "q4", "prefill_tok_s": 20.0, "peak_rss_mb": 600.0}]
     assert _merged(rounds) == {"weights": "q4", "prefill_tok_s": 20.0, "peak_rss_mb": 700.0,
                                "kl_nats": 0.05}
+
+
+def test_answers_agree_by_whole_answers_and_by_the_prefix_before_a_difference():
+    from streamgrok.bench.decode_worker import answer_agreement
+
+    reference = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10]]
+    assert answer_agreement(reference, reference) == {"greedy_same": 1.0, "greedy_prefix": 1.0}
+    mine = [[1, 2, 3, 4], [5, 9], [7, 8, 9]]  # the last stops early: a difference too
+    got = answer_agreement(mine, reference)
+    assert got["greedy_same"] == 1 / 3
+    assert abs(got["greedy_prefix"] - (1.0 + 0.5 + 0.75) / 3) < 1e-9

@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from streamgrok.bench.decode_worker import QUESTIONS
 from streamgrok.bench.llama_cpp_peer import PeerUnavailable, find_binaries, run_peer
 from streamgrok.bench.timing import measurement_env
 
@@ -36,7 +37,8 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
     print(f"model {model_path.name}  threads {threads}  prefill {prompt_tokens} tokens  "
           f"batch 1 at {batch1_context} tokens, sequences at {context}+{steps} tokens  "
           f"median of {repeats} rounds, each system in turn; K/V cache {kv_dtype}; "
-          f"accuracy teacher-forced over {AGREEMENT_TOKENS} tokens of prose", flush=True)
+          f"accuracy teacher-forced over {AGREEMENT_TOKENS} tokens of prose and as "
+          f"{len(QUESTIONS)} greedy chat answers", flush=True)
     binaries = None
     if peer == "llama.cpp":
         try:
@@ -103,7 +105,9 @@ def _rows(batches: list[int], context: int) -> list[tuple[str, str, bool]]:
         rows.append(("  uncompiled (same run)", f"decode_b{batch}_eager_tok_s", True))
     rows += [("compile s (decode)", "compile_s", False), ("peak RSS MB", "peak_rss_mb", False),
              ("weights MB", "weight_mb", False),
-             ("top-1 vs f32", "top1_agreement", True), ("KL vs f32 nats", "kl_nats", False)]
+             ("top-1 vs f32", "top1_agreement", True), ("KL vs f32 nats", "kl_nats", False),
+             ("answers = f32", "greedy_same", True),
+             ("answer prefix = f32", "greedy_prefix", True)]
     return rows
 
 

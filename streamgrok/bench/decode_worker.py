@@ -1,6 +1,7 @@
 """One weight format's measurements for `streamgrok bench decode`, in its own process (so
-that its peak RSS is its own): prefill, decode at batch 1 and N sequences, and teacher-forced
-agreement with the float32 model. `python -m streamgrok.bench.decode_worker SPEC.json`."""
+that its peak RSS is its own): prefill, decode at batch 1 and N sequences, teacher-forced
+agreement with the float32 model, and its greedy answers to chat questions against the float32
+model's. `python -m streamgrok.bench.decode_worker SPEC.json`."""
 
 from __future__ import annotations
 
@@ -19,8 +20,24 @@ from streamgrok.bench.timing import median, timed
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.contiguous_cache import ContiguousKVCache
+from streamgrok.model.generate import Generator
 from streamgrok.model.loader import LoadedModel, load_model
+from streamgrok.model.sampling import SamplingParams
 from streamgrok.runtime import configure_threads, resolve_dtype
+
+# Chat questions whose greedy answers are compared with float32's: teacher-forced agreement
+# over prose does not show a format that answers a plain question wrongly.
+QUESTIONS = (
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "Name the three primary colours of light.",
+    "What does a thermometer measure?",
+    "Who wrote Romeo and Juliet?",
+    "At what temperature does water boil at sea level, in Celsius?",
+    "Explain in one sentence what a CPU does.",
+    "What is twelve times twelve?",
+)
+ANSWER_TOKENS = 24
 
 _TEXT = (
     "Streams of video and audio arrive for hours; the engine keeps a bounded cache of what "
@@ -117,16 +134,41 @@ def _agreement(loaded: LoadedModel, spec: dict, kv_dtype: torch.dtype) -> dict:
     weights and cache)."""
     ids = torch.tensor(prose_ids(loaded, spec["agreement_tokens"]))
     path = Path(spec["reference_logprobs"])
+    answers_path = path.with_name("f32_answers.json")
     logprobs = _logprobs(loaded, ids, kv_dtype)
+    answers = greedy_answers(loaded)
     if spec["weights"] == "f32":
         reference = logprobs if kv_dtype == torch.float32 else \
             _logprobs(loaded, ids, torch.float32)
         np.save(path, reference.numpy())
+        answers_path.write_text(json.dumps(answers))
     else:
         reference = torch.from_numpy(np.load(path))
     kl = (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
     same = (reference.argmax(-1) == logprobs.argmax(-1)).float().mean().item()
-    return {"top1_agreement": same, "kl_nats": max(kl, 0.0), "agreement_tokens": len(ids)}
+    return {"top1_agreement": same, "kl_nats": max(kl, 0.0), "agreement_tokens": len(ids),
+            **answer_agreement(answers, json.loads(answers_path.read_text()))}
+
+
+def greedy_answers(loaded: LoadedModel) -> list[list[int]]:
+    """The model's greedy answers (token ids, at most ANSWER_TOKENS) to QUESTIONS, batched;
+    the K/V cache in the model's dtype."""
+    generator = Generator(loaded, max_batch=len(QUESTIONS), capacity=256)
+    prompts = [generator.chat_prompt(question) for question in QUESTIONS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS)
+    return [answer.token_ids for answer in generator.generate(prompts, greedy)]
+
+
+def answer_agreement(answers: list[list[int]], reference: list[list[int]]) -> dict:
+    """The share of answers identical to the reference's, and the mean share of each
+    reference answer's tokens matched before the first difference."""
+    prefixes = []
+    for mine, theirs in zip(answers, reference, strict=True):
+        matched = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+                       min(len(mine), len(theirs)))
+        prefixes.append(matched / max(len(theirs), 1) if mine != theirs else 1.0)
+    return {"greedy_same": sum(a == b for a, b in zip(answers, reference)) / len(reference),
+            "greedy_prefix": sum(prefixes) / len(prefixes)}
 
 
 def _logprobs(loaded: LoadedModel, ids: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
