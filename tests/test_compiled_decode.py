@@ -11,28 +11,38 @@ import torch
 from helpers import random_model, tiny_config, write_gguf
 
 from streamgrok.model.batch import BatchMetadata
-from streamgrok.model.compiled_decode import COMPILED_DECODE_ENV, CompiledDecode
+from streamgrok.model.compiled_decode import (
+    COMPILED_DECODE_ENV,
+    NATIVE_ATTENTION_ENV,
+    CompiledDecode,
+)
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.loader import load_model
 from streamgrok.model.quantized import quantize_model
 
 
-@pytest.fixture(scope="module", params=["f32", "q4", "w8a8"])
+@pytest.fixture(scope="module", params=["f32", "q4", "w8a8", "f32 loops"])
 def compiled_model(request, tmp_path_factory):
-    """A tiny model whose decode steps are compiled (once for the module's tests)."""
-    if request.param == "w8a8":  # calibrated as it loads
+    """A tiny model whose decode steps are compiled (once for the module's tests); its
+    attention by the native CPU kernel, or ("loops") by inductor's product-sum loops."""
+    weights, _, loops = request.param.partition(" ")
+    if weights == "w8a8":  # calibrated as it loads
         path = write_gguf(tmp_path_factory.mktemp("w8a8") / "tiny.gguf",
                           random_model(tiny_config()))
         model = load_model(path, weights="w8a8").model
     else:
-        model = quantize_model(random_model(tiny_config()), request.param)
+        model = quantize_model(random_model(tiny_config()), weights)
     model.compiled_decode = CompiledDecode(enabled=True)
     cache = ContiguousKVCache(model.config, 1, 40)
-    with torch.inference_mode():
-        model(torch.tensor([5, 6, 7]), BatchMetadata.build([0], [3]), cache)
-        model(torch.tensor([8]), BatchMetadata.build([0], [1]), cache)  # starts compiling
-    assert model.compiled_decode.wait_compiled(timeout=900), model.compiled_decode.compile_error
-    return model, request.param
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(NATIVE_ATTENTION_ENV, "0" if loops else "1")
+        with torch.inference_mode():
+            model(torch.tensor([5, 6, 7]), BatchMetadata.build([0], [3]), cache)
+            model(torch.tensor([8]), BatchMetadata.build([0], [1]), cache)  # starts compiling
+        decode = model.compiled_decode
+        assert decode.wait_compiled(timeout=900), decode.compile_error
+    assert decode.native_attention == (not loops)
+    return model, weights
 
 
 def eager(model):

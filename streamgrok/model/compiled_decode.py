@@ -5,8 +5,9 @@ SmolLM2-135M (q4, 2 threads) spent 13 of its 20 ms outside the int4 matmuls, in 
 tiny norm/rotary/residual ops and the attention call's fixed cost. `CompiledDecode` traces
 the step once with torch.compile (inductor's C++ backend) into one graph: the norms,
 rotary, residuals and SwiGLU fuse into a few loops around the quantized matmuls, and the
-attention over the contiguous cache is a masked softmax between two product-sum loops in the
-same graph.
+attention over the contiguous cache is one call of the native CPU kernel
+(`kernels.cpu_attention`, built with the graphs; where it cannot be built, or with
+STREAMGROK_NATIVE_ATTENTION=0, a masked softmax between two product-sum loops in the graph).
 
 Compilation runs on a background thread on stand-in tensors while steps run eagerly (tens
 of seconds on two cores the first time; inductor's on-disk cache makes later processes
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from kernels.background_compile import BackgroundCompiles
+from kernels.cpu_attention import cpu_decode_attention, native_kernel_available
 from kernels.rotary import rotated
 from streamgrok.model.batch import BatchMetadata
 
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMPILED_DECODE_ENV = "STREAMGROK_COMPILED_DECODE"  # "0": decode eagerly
+NATIVE_ATTENTION_ENV = "STREAMGROK_NATIVE_ATTENTION"  # "0": compiled steps attend in PyTorch
 _EXTRA_CAPACITY = 9  # the stand-in stores hold more positions than are attended over
 
 
@@ -47,6 +50,12 @@ def compiled_decode_by_default() -> bool:
     """Whether decode steps compile unless told (off where STREAMGROK_COMPILED_DECODE=0:
     many short processes, such as the test suite, would spend more compiling than saving)."""
     return os.environ.get(COMPILED_DECODE_ENV, "1") != "0"
+
+
+def native_attention_by_default() -> bool:
+    """Whether compiled decode steps attend by the native CPU kernel where it builds (off
+    where STREAMGROK_NATIVE_ATTENTION=0: inductor's product-sum loops instead)."""
+    return os.environ.get(NATIVE_ATTENTION_ENV, "1") != "0"
 
 
 @dataclass
@@ -81,11 +90,13 @@ class DecodeViewSource(Protocol):
 class _ViewAttention:
     """The attention backend inside the compiled graph: stores each layer's new K/V at its
     position in the stores, then attends over their first T positions with a causal length
-    mask."""
+    mask, by the native CPU kernel (`native`) or as product-sum loops inductor fuses."""
 
-    def __init__(self, view: DecodeView) -> None:
+    def __init__(self, view: DecodeView, native: bool) -> None:
         self.view = view
+        self.native = native
         self.mask = (view.key_positions[None, :] <= view.positions[:, None])[:, None, None, :]
+        self.lengths = view.positions + 1
         self.rows = torch.arange(view.positions.shape[0], device=view.positions.device)
         self.cos, self.sin = view.cos[:, None, :], view.sin[:, None, :]
 
@@ -96,9 +107,12 @@ class _ViewAttention:
         store_k, store_v = view.keys[layer], view.values[layer]  # [B, kv_heads, capacity, D]
         store_k[self.rows, :, view.positions] = k.to(store_k.dtype)
         store_v[self.rows, :, view.positions] = v.to(store_v.dtype)
+        rows, heads, dim = q.shape
+        if self.native:
+            out = cpu_decode_attention(q.float(), store_k, store_v, self.lengths, dim ** -0.5)
+            return out.to(q.dtype)
         used = view.key_positions.shape[0]
         keys, values = store_k[:, :, :used], store_v[:, :, :used]
-        rows, heads, dim = q.shape
         kv_heads = keys.shape[1]
         grouped = q.to(keys.dtype).view(rows, kv_heads, heads // kv_heads, 1, dim)
         # products summed, not matmuls: inductor makes each one loop that reads the keys
@@ -114,10 +128,12 @@ class _ViewAttention:
         return rotated(x, self.cos.to(x.dtype), self.sin.to(x.dtype))
 
 
-def decode_graph(model: nn.Module, input_ids: torch.Tensor, view: DecodeView) -> torch.Tensor:
+def decode_graph(model: nn.Module, input_ids: torch.Tensor, view: DecodeView,
+                 native: bool = False) -> torch.Tensor:
     """One decode step of `model` (a `Transformer`) for the batch in `view`: logits
-    [batch, vocab] for each sequence's new token; written to be traced whole."""
-    backend = _ViewAttention(view)
+    [batch, vocab] for each sequence's new token, attention by the native CPU kernel where
+    `native`; written to be traced whole."""
+    backend = _ViewAttention(view, native)
     x = model.embed(input_ids)
     for layer in model.layers:
         x = layer(x, None, backend, model.kernels)
@@ -141,6 +157,7 @@ class CompiledDecode:
         self._function = torch.compile(decode_graph) \
             if enabled and hasattr(torch, "compile") else None
         self._compiles = BackgroundCompiles("decode")
+        self.native_attention = False  # whether the compiled steps attend by the native kernel
         self.compiled_steps = 0  # steps that ran compiled
         self.eager_fallbacks = 0  # compiled-kind steps the compiled graph did not fit
 
@@ -181,7 +198,7 @@ class CompiledDecode:
         if function is None or not self.enabled:
             return None
         if not self._compiles.is_ready(_STEPS):
-            self._compiles.start(_STEPS, lambda: _compile_steps(function, model, backend))
+            self._compiles.start(_STEPS, lambda: self._compile(function, model, backend))
             return None
         view = backend.decode_view(batch)
         if view is None:
@@ -192,7 +209,7 @@ class CompiledDecode:
                               view.key_positions.clone(), view.cos.clone(), view.sin.clone())
             try:
                 with torch.compiler.set_stance("fail_on_recompile"):
-                    logits = function(model, ids, view)
+                    logits = function(model, ids, view, self.native_attention)
             except Exception as error:  # a guard this step fails: never compile here
                 self._fell_back(error)
                 return None
@@ -208,16 +225,20 @@ class CompiledDecode:
         self.eager_fallbacks += 1
 
 
+    def _compile(self, function, model: Transformer, backend: DecodeViewSource) -> None:
+        """Build the native attention kernel if it serves this cache, then trace both graphs
+        on stand-ins of the backend's kind."""
+        like = backend.decode_like
+        self.native_attention = native_attention_by_default() and \
+            native_kernel_available(like.dtype)
+        tokens, several = _stand_in_sizes(model)
+        for batch in (1, several):
+            ids, view = _stand_ins(model, like, batch, tokens)
+            with torch.inference_mode():
+                function(model, ids, view, self.native_attention)
+
+
 _STEPS = "decode steps"  # the one kind: both graphs, one sequence and several
-
-
-def _compile_steps(function, model: Transformer, backend: DecodeViewSource) -> None:
-    """Trace both graphs on stand-ins of the backend's kind."""
-    tokens, several = _stand_in_sizes(model)
-    for batch in (1, several):
-        ids, view = _stand_ins(model, backend.decode_like, batch, tokens)
-        with torch.inference_mode():
-            function(model, ids, view)
 
 
 def _stand_in_sizes(model: Transformer) -> tuple[int, int]:

@@ -1,0 +1,214 @@
+// Decode attention on the CPU: one query row per head over each sequence's cached keys and
+// values, read once. See kernels/cpu_attention.py for the contract and the PyTorch reference.
+//
+// Work is split over (sequence, KV head): the group of query heads sharing that KV head is
+// scored against each key while the key is in L1, the scores are soft-maxed, and the values
+// are summed into accumulators that stay in registers where the head size and group are
+// compile-time constants (the common shapes below); other shapes take the generic loop.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(uint16_t bf16) {
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// e^x for x <= 0 (a score minus the row's peak) as straight-line arithmetic the compiler
+// vectorizes (std::exp is a scalar call: it took most of the kernel's time). Cephes' expf:
+// x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n from the exponent bits;
+// below -87 it returns e^-87 (~1.6e-38) instead of underflowing.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, sizeof(power));
+  return p * power;
+}
+
+void softmax_rows(float* scores, int64_t rows, int64_t length) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * length;
+    float peak = s[0];
+#pragma omp simd reduction(max : peak)
+    for (int64_t t = 0; t < length; ++t) peak = std::max(peak, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < length; ++t) {
+      s[t] = exp_nonpositive(s[t] - peak);
+      sum += s[t];
+    }
+    const float inverse = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < length; ++t) s[t] *= inverse;
+  }
+}
+
+// q [G, D] f32, k/v [length, D], out [G, D] f32; scores: G * length scratch.
+template <typename KV, int D, int G>
+void attend_fixed(const float* q, const KV* k, const KV* v, int64_t length, float scale,
+                  float* scores, float* out) {
+  for (int64_t t = 0; t < length; ++t) {
+    const KV* key = k + t * D;
+    for (int g = 0; g < G; ++g) {
+      const float* query = q + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int d = 0; d < D; ++d) dot += query[d] * to_float(key[d]);
+      scores[g * length + t] = dot * scale;
+    }
+  }
+  softmax_rows(scores, G, length);
+  float acc[G * D];
+  for (int x = 0; x < G * D; ++x) acc[x] = 0.f;
+  for (int64_t t = 0; t < length; ++t) {
+    const KV* value = v + t * D;
+    for (int g = 0; g < G; ++g) {
+      const float weight = scores[g * length + t];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g * D + d] += weight * to_float(value[d]);
+    }
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+
+template <typename KV>
+void attend_any(const float* q, const KV* k, const KV* v, int64_t length, float scale,
+                float* scores, float* out, int64_t groups, int64_t dim) {
+  for (int64_t t = 0; t < length; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += q[g * dim + d] * to_float(k[t * dim + d]);
+      scores[g * length + t] = dot * scale;
+    }
+  }
+  softmax_rows(scores, groups, length);
+  std::fill(out, out + groups * dim, 0.f);
+  for (int64_t t = 0; t < length; ++t) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float weight = scores[g * length + t];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) out[g * dim + d] += weight * to_float(v[t * dim + d]);
+    }
+  }
+}
+
+template <typename KV>
+using GroupFn = void (*)(const float*, const KV*, const KV*, int64_t, float, float*, float*);
+
+template <typename KV, int D>
+GroupFn<KV> fixed_for_group(int64_t groups) {
+  switch (groups) {
+    case 1: return attend_fixed<KV, D, 1>;
+    case 2: return attend_fixed<KV, D, 2>;
+    case 3: return attend_fixed<KV, D, 3>;
+    case 4: return attend_fixed<KV, D, 4>;
+    case 5: return attend_fixed<KV, D, 5>;
+    case 6: return attend_fixed<KV, D, 6>;
+    case 7: return attend_fixed<KV, D, 7>;
+    case 8: return attend_fixed<KV, D, 8>;
+    default: return nullptr;
+  }
+}
+
+template <typename KV>
+GroupFn<KV> fixed_for(int64_t dim, int64_t groups) {
+  if (dim == 64) return fixed_for_group<KV, 64>(groups);
+  if (dim == 128) return fixed_for_group<KV, 128>(groups);
+  return nullptr;
+}
+
+template <typename KV>
+void attend_all(const float* q, const KV* keys, const KV* values, const int64_t* lengths,
+                float* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t capacity,
+                int64_t dim, float scale) {
+  const int64_t groups = heads / kv_heads;
+  const GroupFn<KV> fixed = fixed_for<KV>(dim, groups);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, h = i % kv_heads, length = lengths[b];
+      const int64_t row = (b * heads + h * groups) * dim;
+      const int64_t store = (b * kv_heads + h) * capacity * dim;
+      scores.resize(groups * length);
+      if (fixed != nullptr) {
+        fixed(q + row, keys + store, values + store, length, scale, scores.data(), out + row);
+      } else {
+        attend_any(q + row, keys + store, values + store, length, scale, scores.data(),
+                   out + row, groups, dim);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H, D] float32; keys, values [B, KVH, capacity, D] float32 or bfloat16, contiguous;
+// lengths [B] int64 (row b attends to positions < lengths[b], 1 <= lengths[b] <= capacity).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys,
+                            const at::Tensor& values, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "decode_attention: q [B, H, D], keys and values [B, KVH, capacity, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "decode_attention: q must be float32");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type() &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16),
+              "decode_attention: keys and values must both be float32 or bfloat16");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.numel() == q.size(0),
+              "decode_attention: lengths must be int64 [B]");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = keys.size(1), capacity = keys.size(2);
+  TORCH_CHECK(keys.size(0) == batch && keys.size(3) == dim && heads % kv_heads == 0,
+              "decode_attention: shapes do not match");
+  auto query = q.contiguous();
+  auto k = keys.contiguous();
+  auto v = values.contiguous();
+  auto lens = lengths.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= capacity, "decode_attention: length ", lp[b],
+                " of row ", b, " is outside 1..", capacity);
+  }
+  auto out = at::empty_like(query);
+  const float s = static_cast<float>(scale);
+  if (k.scalar_type() == at::kFloat) {
+    attend_all<float>(query.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), lp,
+                      out.data_ptr<float>(), batch, heads, kv_heads, capacity, dim, s);
+  } else {
+    attend_all<uint16_t>(query.data_ptr<float>(),
+                         reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+                         reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), lp,
+                         out.data_ptr<float>(), batch, heads, kv_heads, capacity, dim, s);
+  }
+  return out;
+}
+
+// A dispatcher op, not a Python function: a compiled graph calls it without Python in between.
+TORCH_LIBRARY(streamgrok_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths, float scale)"
+        " -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,93 @@
+"""The native CPU decode attention kernel against its PyTorch reference: the fixed-shape and
+generic paths, bfloat16 K/V, every length from 1 to the capacity, inside a compiled graph,
+and clear errors for what it does not take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_attention import (
+    cpu_decode_attention,
+    decode_attention_reference,
+    native_kernel_available,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert native_kernel_available(torch.float32), "the native kernel did not build"
+
+
+def inputs(batch, heads, kv_heads, dim, capacity, dtype, seed, lengths=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, dim, generator=gen)
+    keys = (torch.randn(batch, kv_heads, capacity, dim, generator=gen) * 2).to(dtype)
+    values = torch.randn(batch, kv_heads, capacity, dim, generator=gen).to(dtype)
+    if lengths is None:
+        lengths = torch.randint(1, capacity + 1, (batch,), generator=gen)
+    return q, keys, values, lengths
+
+
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "dim", "capacity"), [
+    (3, 9, 3, 64, 40),  # SmolLM2's shape: a fixed-size path
+    (2, 8, 1, 128, 33),  # a fixed-size path, one KV head
+    (4, 4, 4, 64, 7),  # no grouping
+    (2, 4, 2, 32, 17),  # head size 32: the generic path
+    (1, 18, 2, 64, 21),  # groups of 9: the generic path
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_equals_the_reference(batch, heads, kv_heads, dim, capacity, dtype):
+    q, keys, values, lengths = inputs(batch, heads, kv_heads, dim, capacity, dtype,
+                                      seed=batch * heads + dim)
+    got = cpu_decode_attention(q, keys, values, lengths, dim ** -0.5)
+    want = decode_attention_reference(q, keys, values, lengths, dim ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_every_length_reads_exactly_its_positions():
+    capacity = 19
+    q, keys, values, _ = inputs(capacity, 6, 2, 64, capacity, torch.float32, seed=5)
+    lengths = torch.arange(1, capacity + 1)
+    got = cpu_decode_attention(q, keys, values, lengths, 0.125)
+    torch.testing.assert_close(got, decode_attention_reference(q, keys, values, lengths, 0.125),
+                               atol=2e-5, rtol=1e-4)
+    # length 1 is the first value itself; what lies past a length never matters
+    torch.testing.assert_close(got[0], values[0, :, 0].repeat_interleave(3, dim=0))
+    poisoned = keys.clone()
+    poisoned[0, :, 1:] = float("nan")
+    assert torch.equal(cpu_decode_attention(q, poisoned, values, lengths, 0.125)[0], got[0])
+
+
+def test_large_scores_stay_finite():
+    q, keys, values, lengths = inputs(2, 6, 2, 64, 30, torch.float32, seed=6)
+    got = cpu_decode_attention(q * 300, keys, values, lengths, 0.125)
+    want = decode_attention_reference(q * 300, keys, values, lengths, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+
+
+def test_the_op_runs_inside_a_compiled_graph():
+    def step(q, keys, values, positions):
+        keys = keys.clone()
+        keys[:, :, 0] = keys[:, :, 0] * 2
+        return cpu_decode_attention(q.tanh(), keys, values, positions + 1, 0.125) + 1
+
+    q, keys, values, lengths = inputs(3, 6, 2, 64, 25, torch.float32, seed=7)
+    compiled = torch.compile(step, dynamic=True)
+    torch.testing.assert_close(compiled(q, keys, values, lengths - 1),
+                               step(q, keys, values, lengths - 1))
+
+
+def test_what_the_kernel_does_not_take_is_a_clear_error():
+    q, keys, values, lengths = inputs(2, 6, 2, 64, 10, torch.float32, seed=8)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_decode_attention(q, keys.half(), values.half(), lengths, 0.125)
+    with pytest.raises(RuntimeError, match="q must be float32"):
+        cpu_decode_attention(q.double(), keys, values, lengths, 0.125)
+    with pytest.raises(RuntimeError, match="outside 1..10"):
+        cpu_decode_attention(q, keys, values, torch.tensor([0, 3]), 0.125)
+    with pytest.raises(RuntimeError, match="outside 1..10"):
+        cpu_decode_attention(q, keys, values, torch.tensor([11, 3]), 0.125)
+    assert not native_kernel_available(torch.float16)
