@@ -7,7 +7,8 @@ batched matmuls, flex attention and inductor's fused product-sum loops all took 
 those 30 layers (11.6-16 ms at 8 sequences), because they score one query head at a time with
 a horizontal reduction per key, or soft-max on one thread. The kernel scores a KV head's whole
 query group against each key while the key is in L1 and sums the values into register
-accumulators: 26.9 ms at 32 sequences, 6.9 ms at 8 (floor 5.6).
+accumulators: 27.5 ms at 32 sequences, 7.6 ms at 8 (floors 22.3 and 5.6); with bfloat16 K/V
+17.9 and 5.2 ms.
 
 It is built on first use with PyTorch's C++ extension builder (the C++ compiler inductor
 needs anyway), for this machine's instruction set (the build's name carries a hash of the CPU's
