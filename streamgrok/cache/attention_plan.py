@@ -103,3 +103,32 @@ def _to(group: SpanGroup, device: torch.device) -> SpanGroup:
     for name in ("rows", "positions", "tables", "lengths", "past", "cu_q"):
         setattr(group, name, getattr(group, name).to(device, non_blocking=True))
     return group
+
+
+def refresh_layer(plan: AttentionPlan, layer: int, records: dict[int, list[LayerTokens]],
+                  page_size: int) -> None:
+    """Bring one layer of `plan` up to date after that layer's tokens moved (recall rewrote
+    its pages and `plan.starts[seq][layer]`), in place: the other layers are left as built."""
+    spans = plan.spans
+    device = plan.new_slots.device
+    plan.new_slots[layer] = torch.cat([
+        records[s][layer].slots(plan.starts[s][layer], plan.starts[s][layer] + n)
+        for s, _, n in spans]).to(device)
+    for group in plan.groups:
+        past = [plan.starts[s][layer] for s in group.seq_ids]
+        totals = [p + n for p, n in zip(past, group.counts)]
+        group.totals[layer] = totals
+        group.widths[layer] = -(-max(totals) // page_size)
+        if group.widths[layer] > group.tables.shape[2]:
+            grown = group.tables.new_zeros(*group.tables.shape[:2], group.widths[layer])
+            grown[:, :, : group.tables.shape[2]] = group.tables
+            group.tables = grown
+        table = torch.zeros(len(group.seq_ids), group.tables.shape[2], dtype=torch.int32)
+        for i, (s, total) in enumerate(zip(group.seq_ids, totals)):
+            used = -(-total // page_size)
+            table[i, :used] = torch.tensor(records[s][layer].pages[:used], dtype=torch.int32)
+        group.tables[layer] = table.to(device)
+        group.lengths[layer] = torch.tensor(totals, dtype=torch.int32).to(device)
+        group.past[layer] = torch.tensor(past, dtype=torch.int32).to(device)
+        group.positions[layer] = torch.cat([
+            torch.arange(p, p + n) for p, n in zip(past, group.counts)]).to(device)

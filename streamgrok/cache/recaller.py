@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, build_attention_plan
+from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, refresh_layer
+from streamgrok.cache.page_scorer import PageScorer
 from streamgrok.cache.recall import (
     PageChoice,
     QueryCapture,
@@ -27,9 +28,7 @@ from streamgrok.cache.recall import (
     attention_scale,
     choose_pages,
     insert_tokens,
-    resident_lse,
     rotate,
-    score_pages,
 )
 from streamgrok.cache.tokens import STREAM
 from streamgrok.errors import CacheFullError
@@ -57,6 +56,7 @@ class Recaller:
         self._captures: dict[int, QueryCapture] = {}
         self._armed: dict[int, _Armed] = {}
         self._done: dict[int, RecallResult] = {}
+        self.scorer = PageScorer()
 
     @property
     def active(self) -> bool:
@@ -82,8 +82,8 @@ class Recaller:
     def before_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                          plan: AttentionPlan) -> AttentionPlan:
         """Recall into `layer` for the armed sequences of this step, before its new K/V
-        (`k`, unrotated, rows as `q`'s) are stored; returns the plan, rebuilt when a layer's
-        tokens moved."""
+        (`k`, unrotated, rows as `q`'s) are stored; returns the plan, with that layer
+        updated where its tokens moved."""
         moved = False
         last = layer == len(self.cache.budgets) - 1
         for seq_id, row, count in plan.spans:
@@ -105,11 +105,10 @@ class Recaller:
             if last:
                 del self._armed[seq_id]
                 self._done[seq_id] = self._finish(armed.result, armed.hits, armed.bytes_before)
-        if not moved:
-            return plan
-        records = {s: self.cache.sequences[s].layers for s, _, _ in plan.spans}
-        return build_attention_plan(plan.spans, records, plan.starts,
-                                    self.cache.config.page_size, self.cache.device)
+        if moved:
+            records = {s: self.cache.sequences[s].layers for s, _, _ in plan.spans}
+            refresh_layer(plan, layer, records, self.cache.config.page_size)
+        return plan
 
     # -- explicitly ------------------------------------------------------------------------
 
@@ -187,19 +186,18 @@ class Recaller:
         keys, not yet stored, at the positions after them), and the host pages of
         `tier_layer`. What a question's tokens draw to themselves is resident mass too."""
         cache = self.cache
-        q_rot, k_rot, positions, tables = self.rotated(rec, resident, queries)
+        q, positions = queries
+        positions = positions.to(cache.device, torch.int64)
+        keys, _ = cache.pool.read(rec.slots(0, resident).to(cache.device))
         if own_keys is not None and own_keys.shape[0]:
-            own_positions = torch.arange(resident, resident + own_keys.shape[0],
-                                         device=cache.device)
-            k_rot = torch.cat([k_rot, rotate(cache.kernels, own_keys.to(k_rot.dtype),
-                                             own_positions, tables)])
-        scale = attention_scale(cache.model_config.head_dim)
-        lse = resident_lse(q_rot, k_rot, positions, scale)
+            keys = torch.cat([keys, own_keys.to(keys.dtype)])
+        cos, sin = cache.rotary.tables(max(keys.shape[0], int(positions.max()) + 1))
         insert_at = torch.searchsorted(rec.column(STREAM)[:resident].contiguous(),
                                        tier_layer.first_stream().contiguous())
-        centers_rot = rotate(cache.kernels, tier_layer.centers, insert_at, tables)
-        score, mass = score_pages(q_rot, lse, centers_rot, tier_layer.radii,
-                                  tier_layer.plane_vars, tier_layer.counts, scale)
+        score, mass = self.scorer(q.to(cache.device), positions, keys, tier_layer.centers,
+                                  insert_at.to(cache.device), tier_layer.radii,
+                                  tier_layer.plane_vars, tier_layer.counts, cos, sin,
+                                  attention_scale(cache.model_config.head_dim))
         return choose_pages(score, mass, tier_layer.counts, budget, cap, min_hit_rate)
 
     def rotated(self, rec, resident: int, queries) -> tuple[torch.Tensor, ...]:
