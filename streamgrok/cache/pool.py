@@ -96,6 +96,12 @@ class PagePool:
         for stored, values in zip(self.paged_kv().tensors(), data):
             stored[slots] = values
 
+    def move_raw(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the stored entries at slots `src` [n] to slots `dst` [n], as stored (the
+        two sets must not overlap)."""
+        for stored in self.paged_kv().tensors():
+            stored.index_copy_(0, dst, stored.index_select(0, src))
+
     def copy_on_write(self, page: int) -> int:
         """A private copy of a shared page: a fresh page with its entries, and one reference
         to `page` dropped. Raises CacheFullError when no page is free."""

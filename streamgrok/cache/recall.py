@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kernels.ops import KernelOps
@@ -134,30 +135,31 @@ def choose_pages(score: torch.Tensor, mass: torch.Tensor, counts: torch.Tensor,
     """Best-scored pages first, as many as fit `budget_tokens` (the pages where some head
     may attend sharply); then, while the estimated hit rate is below `min_hit_rate`, more, in
     the order of what each adds to that estimate, never past `cap_tokens` in all."""
-    mass = mass.cpu().double()
-    total = mass.sum(1, keepdim=True)
-    by_score = torch.argsort(score.cpu(), descending=True, stable=True)
-    within = int((torch.cumsum(counts[by_score], 0) <= budget_tokens).sum())
-    rest = torch.ones(score.numel(), dtype=torch.bool)
+    # a query's hit rate after taking pages S is (1 + sum of their mass) / (1 + its total),
+    # so the mean over queries is a base plus a per-page gain summed over S: one cumulative
+    # sum over pages. Small arrays, many layers: numpy's per-call cost is a tenth of torch's.
+    mass_np = mass.detach().cpu().numpy().astype(np.float64)
+    weight = 1.0 / (1.0 + mass_np.sum(1, keepdims=True))
+    gain = (mass_np * weight).mean(0)  # what each page adds to the estimated hit rate
+    sizes = counts.cpu().numpy()
+    by_score = np.argsort(-score.detach().cpu().numpy(), kind="stable")
+    within = int((np.cumsum(sizes[by_score]) <= budget_tokens).sum())
+    rest = np.ones(score.numel(), dtype=bool)
     rest[by_score[:within]] = False
-    rest = torch.nonzero(rest).flatten()
-    gain = (mass[:, rest] / (1.0 + total)).mean(0)  # what each adds to the estimated hit rate
-    order = torch.cat([by_score[:within],
-                       rest[torch.argsort(gain, descending=True, stable=True)]])
-    tokens = torch.cumsum(counts[order], 0)
-    cum = torch.cumsum(mass[:, order], dim=1)
-    hit = torch.cat([torch.zeros(cum.shape[0], 1, dtype=torch.float64), cum], dim=1)
-    hit = ((1.0 + hit) / (1.0 + total)).mean(0)  # [P + 1]: after taking the first k pages
-    capped = int((tokens <= cap_tokens).sum())
+    rest = np.flatnonzero(rest)
+    order = np.concatenate([by_score[:within], rest[np.argsort(-gain[rest], kind="stable")]])
+    hit = weight.mean() + np.concatenate([[0.0], np.cumsum(gain[order])])  # after k pages
+    capped = int((np.cumsum(sizes[order]) <= cap_tokens).sum())
     wanted = within
     guard = False
     if float(hit[min(wanted, capped)]) < min_hit_rate:
-        reached = torch.nonzero(hit >= min_hit_rate).flatten()
-        needed = int(reached[0]) if reached.numel() else hit.numel() - 1
+        reached = np.flatnonzero(hit >= min_hit_rate)
+        needed = int(reached[0]) if reached.size else hit.size - 1
         guard = needed > wanted and capped > wanted
         wanted = max(wanted, needed)
     taken = min(wanted, capped)
-    return PageChoice(order[:taken], float(hit[taken]), guard, limited=wanted > capped)
+    return PageChoice(torch.from_numpy(order[:taken].astype(np.int64)), float(hit[taken]),
+                      guard, limited=wanted > capped)
 
 
 def rotate(kernels: KernelOps, x: torch.Tensor, positions: torch.Tensor,
@@ -186,8 +188,7 @@ def insert_tokens(pool, kernels: KernelOps, rec, k: torch.Tensor, v: torch.Tenso
     slots = rec.slot_table()[: n + m]
     from_resident = order < n
     device = pool.paged_kv().k.device
-    pool.scatter_raw(slots[from_resident].to(device),
-                     pool.gather_raw(old_slots[order[from_resident]].to(device)))
+    pool.move_raw(old_slots[order[from_resident]].to(device), slots[from_resident].to(device))
     new_rows = order[~from_resident] - n
     kernels.kv_append(pool.paged_kv(), slots[~from_resident].to(device), k[new_rows.to(k.device)],
                       v[new_rows.to(v.device)])
