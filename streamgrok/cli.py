@@ -622,8 +622,9 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def _process_defaults() -> None:
     """Environment defaults of a command's process, set before torch loads (so not at import:
     processes spawned from this module, such as benchmark workers, choose their own)."""
-    # idle torch worker threads must not spin while another process or thread needs the cores
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from streamgrok.openmp_wait import set_idle_spin
+
+    set_idle_spin()  # idle torch workers spin briefly, then yield the cores
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

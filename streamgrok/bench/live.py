@@ -13,7 +13,6 @@ goes next to the table.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import psutil
 from streamgrok.bench.live_client import PHOTOS, ClientResult, frame_bytes, live_client
 from streamgrok.bench.server_process import ServerProcess, serve_arguments, settle
 from streamgrok.bench.timing import percentile
+from streamgrok.openmp_wait import set_idle_spin
 
 
 @dataclass
@@ -211,5 +211,5 @@ async def run_live(args) -> None:
 
 def run_live_bench(args) -> None:
     """Entry point of `streamgrok bench live`."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_idle_spin()  # the server it starts inherits it
     asyncio.run(run_live(args))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from streamgrok.bench.live_client import (
 )
 from streamgrok.bench.server_process import ServerProcess, serve_arguments, settle
 from streamgrok.bench.timing import percentile
+from streamgrok.openmp_wait import set_idle_spin
 from streamgrok.server.protocol import pack_media
 
 
@@ -173,6 +173,6 @@ def _plot(out: Path, samples, results, live_started, live_ended, baseline_mb) ->
 
 def run_soak_bench(args) -> None:
     """Entry point of `streamgrok bench soak`."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_idle_spin()  # the server it starts inherits it
     asyncio.run(run_soak(serve_arguments(args), args.clients, args.seconds, args.ask_every,
                          args.storm, Path(args.out)))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from streamgrok.engine.metrics import percentile
+from streamgrok.openmp_wait import without_wait_choices
 
 __all__ = ["median", "percentile", "synchronize", "timed"]
 
@@ -35,9 +36,8 @@ def median(values: list[float]) -> float:
 
 def measurement_env() -> dict[str, str]:
     """The environment of the measured processes (ours and the peer's): OpenMP's default
-    wait policy. The command line sets OMP_WAIT_POLICY=PASSIVE so that idle threads never
-    spin beside the server's media workers; on these 2 cores it makes a batch-1 step about 3x
-    slower for both systems (q8 26.8 -> 9.0 tok/s, llama.cpp 89 -> 28 tok/s measured)."""
-    env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    return env
+    wait (libgomp's ~7 ms spin here), not the command line's bounded spin
+    (`streamgrok.openmp_wait`), so rows stay comparable with the peer's and with earlier
+    runs. PASSIVE waiting made a batch-1 step about 3x slower for both systems on these 2
+    cores (q8 26.8 -> 9.0 tok/s, llama.cpp 89 -> 28 tok/s measured)."""
+    return without_wait_choices(os.environ)
