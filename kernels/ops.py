@@ -22,6 +22,7 @@ from kernels import (
     rotary,
 )
 from kernels.common import triton
+from kernels.cpu_attention import NativePagedAttention, cpu_paged_attention
 from kernels.paged_kv import PagedKV
 from kernels.paged_read import PagedReader
 
@@ -31,16 +32,20 @@ BACKENDS = ("auto", "torch", "triton")
 class KernelOps:
     """Chooses Triton or the PyTorch reference per call, from the backend and the tensor."""
 
-    def __init__(self, backend: str = "auto", compiled_reads: bool | None = None) -> None:
+    def __init__(self, backend: str = "auto", compiled_reads: bool | None = None,
+                 native_attention: bool | None = None) -> None:
         """`compiled_reads`: the PyTorch attention path reads paged K/V through
         torch.compile (see kernels.paged_read); False reads them eagerly; None: compiled
-        unless STREAMGROK_COMPILED_READS=0."""
+        unless STREAMGROK_COMPILED_READS=0. `native_attention`: decode attention on CPU
+        tensors runs the native kernel once it is built (kernels.cpu_attention); None: on
+        unless STREAMGROK_NATIVE_ATTENTION=0."""
         if backend not in BACKENDS:
             raise ValueError(f"kernel backend must be one of {BACKENDS}, not {backend!r}")
         if backend == "triton" and triton is None:
             raise RuntimeError("kernel backend 'triton' asked for, but triton is not installed")
         self.backend = backend
         self.paged_reader = PagedReader(compiled=compiled_reads)
+        self.native = NativePagedAttention(native_attention)
 
     def uses_triton(self, tensor: torch.Tensor) -> bool:
         """Whether calls on `tensor` run the Triton kernels."""
@@ -90,6 +95,10 @@ class KernelOps:
         if self.uses_triton(q):
             return paged_decode_attention.paged_decode_attention(
                 q, kv, block_tables, lengths, cos, sin, want_mass)
+        if self.native.serves(q, kv):  # each row's query sits at its last position
+            rows = torch.arange(q.shape[0] + 1, device=q.device)
+            return cpu_paged_attention(q, kv, block_tables, rows, lengths.long() - 1, cos, sin,
+                                       1 if want_mass else None)
         return paged_decode_attention.reference(q, kv, block_tables, lengths, cos, sin,
                                                 want_mass, self.paged_reader)
 

@@ -13,6 +13,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("STREAMGROK_COMPILED_READS", "0")
 # Likewise compiled decode steps; tests/test_compiled_decode.py turns them on.
 os.environ.setdefault("STREAMGROK_COMPILED_DECODE", "0")
+# Likewise the native CPU attention kernels: built in the background, they would take over a
+# test's attention mid-way; tests/test_cpu_attention.py, test_cpu_paged_attention.py and
+# test_compiled_decode.py turn them on and check them against the PyTorch references.
+os.environ.setdefault("STREAMGROK_NATIVE_ATTENTION", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402

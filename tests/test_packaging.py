@@ -32,7 +32,8 @@ def test_the_wheel_carries_the_page_the_pipelines_and_the_metadata(wheel):
     for shipped in ("streamgrok/server/static/index.html", "streamgrok/server/static/"
                     "assistant.js", "streamgrok/pipelines/live_qa.py",
                     "streamgrok/pipelines/alert.py", "streamgrok/py.typed", "kernels/ops.py",
-                    "kernels/cpu/decode_attention.cpp", "streamgrok/vision/mmproj.py"):
+                    "kernels/cpu/decode_attention.cpp", "kernels/cpu/paged_attention.cpp",
+                    "kernels/cpu/attention_math.h", "streamgrok/vision/mmproj.py"):
         assert shipped in names, shipped
     assert any(n.endswith("licenses/LICENSE") for n in names)
     assert metadata["License-Expression"] == "Apache-2.0"
@@ -57,8 +58,9 @@ def test_the_installed_package_finds_its_files_without_the_checkout(wheel, tmp_p
         f"assert path.startswith({str(target)!r}), path",
         f"assert str(STATIC_DIR).startswith({str(target)!r})",
         "assert (STATIC_DIR / 'index.html').is_file()",
-        "from kernels.cpu_attention import SOURCE",
-        f"assert str(SOURCE).startswith({str(target)!r}) and SOURCE.is_file(), SOURCE",
+        "from kernels.cpu_attention import HEADERS, SOURCES",
+        "for source in SOURCES + HEADERS:",
+        f"    assert str(source).startswith({str(target)!r}) and source.is_file(), source",
         "pipeline = load_pipeline(path, {'hidden_size': 64, 'transcribe': 'false'})",
         "print(pipeline.name)",
     ])

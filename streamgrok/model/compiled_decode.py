@@ -32,7 +32,12 @@ import torch
 from torch import nn
 
 from kernels.background_compile import BackgroundCompiles
-from kernels.cpu_attention import cpu_decode_attention, native_kernel_available
+from kernels.cpu_attention import (
+    NATIVE_ATTENTION_ENV,  # noqa: F401  (the switch's name, for callers of this module)
+    cpu_decode_attention,
+    native_attention_by_default,
+    native_kernel_available,
+)
 from kernels.rotary import rotated
 from streamgrok.model.batch import BatchMetadata
 
@@ -42,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMPILED_DECODE_ENV = "STREAMGROK_COMPILED_DECODE"  # "0": decode eagerly
-NATIVE_ATTENTION_ENV = "STREAMGROK_NATIVE_ATTENTION"  # "0": compiled steps attend in PyTorch
 _EXTRA_CAPACITY = 9  # the stand-in stores hold more positions than are attended over
 
 
@@ -50,12 +54,6 @@ def compiled_decode_by_default() -> bool:
     """Whether decode steps compile unless told (off where STREAMGROK_COMPILED_DECODE=0:
     many short processes, such as the test suite, would spend more compiling than saving)."""
     return os.environ.get(COMPILED_DECODE_ENV, "1") != "0"
-
-
-def native_attention_by_default() -> bool:
-    """Whether compiled decode steps attend by the native CPU kernel where it builds (off
-    where STREAMGROK_NATIVE_ATTENTION=0: inductor's product-sum loops instead)."""
-    return os.environ.get(NATIVE_ATTENTION_ENV, "1") != "0"
 
 
 @dataclass
