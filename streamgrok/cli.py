@@ -240,7 +240,8 @@ def _add_bench_commands(commands) -> None:
                             help="KV cache: flat memory, passkey, perplexity, overhead")
     kv.add_argument("--parts", default="flat,passkey,ppl,overhead",
                     help="which parts to run (also: kvp, KV parallelism over local ranks; "
-                         "recall, the host tier and recall)")
+                         "recall, the host tier and recall; paged, decode steps with the "
+                         "native CPU attention kernel vs the PyTorch path)")
     kv.add_argument("--tokens", type=int, default=100_000, help="tokens streamed (flat part)")
     kv.add_argument("--budget", type=int, default=2048, help="tokens per layer")
     kv.add_argument("--flat-policy", default="h2o", choices=POLICIES,

@@ -175,3 +175,16 @@ async def test_engine_answers_are_the_same_with_the_native_kernel(tmp_path):
         assert evicted[False, kv_dtype] > 0
         assert answers[True, kv_dtype] == answers[False, kv_dtype]
         assert evicted[True, kv_dtype] == evicted[False, kv_dtype]
+
+
+def test_the_paged_decode_bench_times_both_paths_and_plots(tiny_loaded, tmp_path, monkeypatch,
+                                                           capsys):
+    from streamgrok.bench import paged_decode
+
+    monkeypatch.setattr(paged_decode, "SHAPES", ((1, 40), (3, 70)))
+    monkeypatch.setattr(paged_decode, "STEPS", 2)
+    results = paged_decode.paged_decode(tiny_loaded, tmp_path, chunk=32)
+    assert set(results) == {"1x40", "3x70"}
+    assert all(r["native_ms"] > 0 and r["torch_ms"] > 0 for r in results.values())
+    assert (tmp_path / "paged_decode.png").stat().st_size > 0
+    assert "native ms" in capsys.readouterr().out

@@ -57,7 +57,8 @@ def run_kv_bench(loaded: LoadedModel, options: KvBenchOptions) -> dict:
           f"threads {torch.get_num_threads()}")
     options.out_dir.mkdir(parents=True, exist_ok=True)
     runners = {"flat": flat_memory, "passkey": passkey, "ppl": perplexity,
-               "overhead": eviction_overhead, "kvp": kv_parallel, "recall": recall}
+               "overhead": eviction_overhead, "kvp": kv_parallel, "recall": recall,
+               "paged": paged}
     for part in options.parts:
         if part not in runners:
             raise ValueError(f"unknown bench kv part {part!r} (choose from {', '.join(runners)})")
@@ -237,6 +238,13 @@ def perplexity(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     print("* full cache past the trained context (absolute positions beyond "
           f"{trained})")
     return table
+
+
+def paged(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """Paged decode steps, native CPU attention vs the PyTorch path (bench.paged_decode)."""
+    from streamgrok.bench.paged_decode import paged_decode
+
+    return paged_decode(loaded, options.out_dir, options.chunk)
 
 
 def eviction_overhead(loaded: LoadedModel, options: KvBenchOptions) -> dict:
