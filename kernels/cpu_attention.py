@@ -106,7 +106,7 @@ def _build_extension() -> None:
         cpp_extension.load(f"streamgrok_cpu_attention_{digest}", [str(p) for p in SOURCES],
                            extra_cflags=_CFLAGS, is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, a failed build, a failed load
-        raise NativeKernelUnavailable(f"the CPU decode attention kernel was not built "
+        raise NativeKernelUnavailable(f"the native CPU attention kernels were not built "
                                       f"({type(error).__name__}: {error})") from error
     torch.library.register_fake("streamgrok_cpu::decode_attention", _fake)
     torch.library.register_fake("streamgrok_cpu::paged_attention", _fake_paged)
