@@ -63,11 +63,11 @@ def test_decode_rows_equal_the_reference(heads, kv_heads, dim, dtype):
     tables = page_tables(len(lengths), 14, seed=heads)
     cos, sin = rotary_tables(dim, 14 * PAGE)
     q = torch.randn(len(lengths), heads, dim, generator=torch.Generator().manual_seed(1))
+    ops = KernelOps("torch", compiled_reads=False, native_attention=True)
+    assert ops.native.wait_ready()
     for want_mass in (False, True):
         ref, ref_mass = paged_decode_attention.reference(q, kv, tables, lengths, cos, sin,
                                                          want_mass)
-        ops = KernelOps("torch", compiled_reads=False, native_attention=True)
-        assert ops.native.wait_ready()
         out, mass = ops.decode_attention(q, kv, tables, lengths, cos, sin, want_mass)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
         if want_mass:

@@ -20,6 +20,7 @@ from streamgrok.bench.caches import bench_cache
 from streamgrok.bench.corpus import long_ids, stdlib_text
 from streamgrok.bench.timing import median, timed
 from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.streaming import feed
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.loader import LoadedModel
 
@@ -72,18 +73,13 @@ def paged_decode(loaded: LoadedModel, out_dir: Path, chunk: int = 512) -> dict:
 
 def _filled_cache(loaded: LoadedModel, sequences: int, ids: list[int],
                   chunk: int) -> PagedKVCache:
-    config = loaded.config
-    tokens = sequences * (len(ids) + 2 * STEPS + 64)
     element = torch.empty(0, dtype=loaded.model.dtype).element_size()
-    kv_bytes = tokens * config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+    kv_bytes = _kv_bytes(loaded, sequences * (len(ids) + 2 * STEPS + 64), element)
     cache = bench_cache(loaded, "h2o", len(ids) + 4 * STEPS + 256,
                         memory_gib=1.5 * kv_bytes / 2**30)
     with torch.inference_mode():
         cache.add_sequence(0)
-        for start in range(0, len(ids), chunk):
-            part = torch.tensor(ids[start : start + chunk], device=loaded.model.device)
-            batch = BatchMetadata.build([0], [part.numel()], loaded.model.device)
-            loaded.model(part, batch, cache)
+        feed(loaded.model, cache, 0, ids, chunk)  # under the budget: nothing is evicted
         for seq in range(1, sequences):  # the same context: a fork shares its pages
             cache.fork(0, seq)
     return cache
@@ -108,12 +104,16 @@ def _time_paths(loaded: LoadedModel, cache: PagedKVCache, sequences: int, contex
             for name, ops in (("native", native_ops), ("torch", torch_ops)):
                 cache.kernels = ops
                 times[name].append(timed(step, device))
-    config = loaded.config
-    element = cache.pool.paged_kv().k.element_size()
-    kv_bytes = (2 * sequences * (context + STEPS) * config.num_layers * config.num_kv_heads
-                * config.head_dim * element)
+    kv_bytes = _kv_bytes(loaded, sequences * (context + STEPS),
+                         cache.pool.paged_kv().k.element_size())
     return PagedDecodeRow(sequences, context, median(times["native"]) * 1e3,
                           median(times["torch"]) * 1e3, kv_bytes)
+
+
+def _kv_bytes(loaded: LoadedModel, tokens: int, element: int) -> int:
+    """Bytes of K and V that `tokens` cached tokens hold in every layer."""
+    config = loaded.config
+    return 2 * tokens * config.num_layers * config.num_kv_heads * config.head_dim * element
 
 
 def _plot(rows: list[PagedDecodeRow], path: Path) -> None:
