@@ -62,7 +62,7 @@ def paged_decode(loaded: LoadedModel, out_dir: Path, chunk: int = 512) -> dict:
         cache = _filled_cache(loaded, sequences, ids[:context], chunk)
         row = _time_paths(loaded, cache, sequences, context, native_ops, torch_ops)
         rows.append(row)
-        print(f"{sequences:>5} {context:>8} {row.native_ms:>10.1f} {row.torch_ms:>9.1f} "
+        tqdm.write(f"{sequences:>5} {context:>8} {row.native_ms:>10.1f} {row.torch_ms:>9.1f} "
               f"{row.speedup:>7.2f}x {sequences / row.native_ms * 1e3:>13.1f} "
               f"{sequences / row.torch_ms * 1e3:>12.1f} {row.gbps(row.native_ms):>12.1f} "
               f"{row.gbps(row.torch_ms):>11.1f}")
