@@ -22,6 +22,7 @@ from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.generate import Generator
 from streamgrok.model.loader import LoadedModel, load_model
+from streamgrok.model.quantized import prefill_attention_dtype, wait_native_int8
 from streamgrok.model.sampling import SamplingParams
 from streamgrok.runtime import configure_threads, resolve_dtype
 
@@ -69,9 +70,10 @@ def measure(spec: dict) -> dict:
     out: dict = {"weights": weights, "weight_mb": model.weight_bytes() / 1e6,
                  "decode_read_mb": model.decode_read_bytes() / 1e6}
     out["compile_s"] = _compile_decode(loaded, kv_dtype)
+    out["native_int8"] = wait_native_int8(model)
 
     prompt = torch.tensor(prompt_ids(loaded, spec["prompt_tokens"]))
-    cache = ContiguousKVCache(loaded.config, 1, len(prompt), kv_dtype, "cpu")
+    cache = _cache(loaded, 1, len(prompt), kv_dtype)
     prefill_batch = BatchMetadata.build([0], [len(prompt)], "cpu")
 
     def prefill() -> None:
@@ -98,6 +100,13 @@ def measure(spec: dict) -> dict:
     return out
 
 
+def _cache(loaded: LoadedModel, seqs: int, capacity: int, kv_dtype: torch.dtype
+           ) -> ContiguousKVCache:
+    """A CPU cache for `seqs` sequences whose prefill attends as the model's format does."""
+    return ContiguousKVCache(loaded.config, seqs, capacity, kv_dtype, "cpu",
+                             prefill_attention_dtype(loaded.model))
+
+
 def _compile_decode(loaded: LoadedModel, kv_dtype: torch.dtype) -> float | None:
     """Seconds until the compiled decode steps are in use (one decode step starts their
     compilation); None where decode is not compiled."""
@@ -105,7 +114,7 @@ def _compile_decode(loaded: LoadedModel, kv_dtype: torch.dtype) -> float | None:
     if not model.compiled_decode.enabled:
         return None
     start = time.perf_counter()
-    cache = ContiguousKVCache(loaded.config, 1, 4, kv_dtype, "cpu")
+    cache = _cache(loaded, 1, 4, kv_dtype)
     model(torch.tensor([0]), BatchMetadata.build([0], [1], "cpu"), cache)
     if not model.compiled_decode.wait_compiled():
         return None
@@ -116,7 +125,7 @@ def _decode_step(loaded: LoadedModel, batch_size: int, context: int, steps: int,
                  kv_dtype: torch.dtype) -> float:
     """Median seconds of a decode step for `batch_size` sequences at `context` tokens."""
     model = loaded.model
-    cache = ContiguousKVCache(loaded.config, batch_size, context + steps + 2, kv_dtype, "cpu")
+    cache = _cache(loaded, batch_size, context + steps + 2, kv_dtype)
     ids = prompt_ids(loaded, context)
     seqs = list(range(batch_size))
     for seq in seqs:  # one prefill each, as sessions would have
@@ -172,7 +181,7 @@ def answer_agreement(answers: list[list[int]], reference: list[list[int]]) -> di
 
 
 def _logprobs(loaded: LoadedModel, ids: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
-    cache = ContiguousKVCache(loaded.config, 1, len(ids), kv_dtype, "cpu")
+    cache = _cache(loaded, 1, len(ids), kv_dtype)
     every_row = BatchMetadata([0], [len(ids)], logit_rows=torch.arange(len(ids)))
     return torch.log_softmax(loaded.model(ids, every_row, cache).float(), dim=-1)
 

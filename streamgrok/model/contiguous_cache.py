@@ -29,7 +29,11 @@ class ContiguousKVCache:
         capacity: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        prefill_dtype: torch.dtype | None = None,
     ) -> None:
+        """`prefill_dtype`: what prefill attention computes in (default: `dtype`; a quantized
+        model's is bfloat16 where the CPU multiplies it natively, see
+        `streamgrok.model.quantized.prefill_attention_dtype`)."""
         # a tensor per layer: a compiled decode step writes each as its own input
         shape = (max_seqs, config.num_kv_heads, capacity, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device)
@@ -38,6 +42,7 @@ class ContiguousKVCache:
                   for _ in range(config.num_layers)]
         self.lengths = [0] * max_seqs
         self.capacity = capacity
+        self.prefill_dtype = prefill_dtype or dtype
         self.rotary = Rotary(config, device)
 
     @property
@@ -123,8 +128,9 @@ class ContiguousKVCache:
         # above the diagonal instead of reading a mask (512 tokens: 2.4x faster)
         mask = None if start == 0 else \
             torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        dtype = self.prefill_dtype
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).to(keys.dtype), keys, values, attn_mask=mask,
+            q.transpose(0, 1).to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask,
             is_causal=start == 0, enable_gqa=True)
         return out.transpose(0, 1).to(q.dtype)
 

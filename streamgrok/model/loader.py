@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.cpu_int8 import Int8Rows
 from streamgrok.errors import ModelLoadError
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
@@ -126,6 +127,8 @@ class _PackedAsRead:
 
     def __init__(self, num_layers: int, fuse: bool, int8_activations: bool = False) -> None:
         self.int8_activations = int8_activations  # w8a8 layers
+        # their activation quantization, native once built (one build for the model)
+        self.int8_rows = Int8Rows() if int8_activations else None
         self.parts: dict[str, list[str]] = {}  # fused module path -> the weights it joins
         if fuse:
             for i in range(num_layers):
@@ -143,13 +146,14 @@ class _PackedAsRead:
         path = self.fused_into.get(module)
         if path is None:  # the output head keeps bfloat16 activations (see smoothing)
             self.layers[module] = rows.linear(
-                int8_activations=self.int8_activations and module != "output")
+                int8_activations=self.int8_activations and module != "output",
+                int8_rows=self.int8_rows)
             return
         self.waiting[module] = rows
         if all(part in self.waiting for part in self.parts[path]):
             self.layers[path] = QuantizedRows.concat(
                 [self.waiting.pop(part) for part in self.parts[path]]).linear(
-                    int8_activations=self.int8_activations)
+                    int8_activations=self.int8_activations, int8_rows=self.int8_rows)
 
     def install(self, model: Transformer, state: dict[str, torch.Tensor]) -> None:
         """Put the packed layers (with their biases from `state`) where the meta linears

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_int8 import Int8Rows
 from streamgrok.model.quantized_embedding import Int8Embedding
 from streamgrok.model.quantized_embedding import fits as embedding_fits
 
@@ -70,11 +71,12 @@ class QuantizedRows:
         return QuantizedRows(parts[0].kind, torch.cat([p.values for p in parts]),
                              torch.cat([p.scales for p in parts]), zeros)
 
-    def linear(self, bias: torch.Tensor | None = None, int8_activations: bool = False
-               ) -> nn.Module:
-        """The packed linear layer of these rows (q8 rows with `int8_activations`: w8a8)."""
+    def linear(self, bias: torch.Tensor | None = None, int8_activations: bool = False,
+               int8_rows: Int8Rows | None = None) -> nn.Module:
+        """The packed linear layer of these rows (q8 rows with `int8_activations`: w8a8,
+        quantizing activations with `int8_rows`)."""
         if self.kind == "q8":
-            return Int8Linear.from_rows(self, bias, int8_activations)
+            return Int8Linear.from_rows(self, bias, int8_activations, int8_rows)
         return Int4Linear.from_rows(self, bias)
 
 
@@ -109,21 +111,25 @@ class Int8Linear(nn.Module):
     quantized the same way, to int8 with its own scale, and multiplied in integers."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, int8_rows: Int8Rows | None = None) -> None:
         super().__init__()
-        self._set(QuantizedRows.of(weight, "q8"), bias, int8_activations)
+        self._set(QuantizedRows.of(weight, "q8"), bias, int8_activations, int8_rows)
 
     @classmethod
     def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None,
-                  int8_activations: bool = False) -> Int8Linear:
+                  int8_activations: bool = False, int8_rows: Int8Rows | None = None
+                  ) -> Int8Linear:
+        """The layer of `rows`; w8a8 layers of one model share `int8_rows` (the native
+        activation quantization; None: PyTorch's ops)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._set(rows, bias, int8_activations)
+        layer._set(rows, bias, int8_activations, int8_rows)
         return layer
 
     def _set(self, rows: QuantizedRows, bias: torch.Tensor | None,
-             int8_activations: bool) -> None:
+             int8_activations: bool, int8_rows: Int8Rows | None) -> None:
         self.int8_activations = int8_activations
+        self.int8_rows = int8_rows or Int8Rows(enabled=False)
         self.register_buffer("qweight", rows.values.contiguous())
         # bfloat16 as the weight-only kernel takes them; float32 for the integer product
         self.register_buffer("scales", rows.scales.to(
@@ -152,16 +158,12 @@ class Int8Linear(nn.Module):
         """x W^T in float32 from int8 x (a scale per row) times int8 W: oneDNN's int8 GEMM
         on the CPU (W [out, in] read as the transpose it is); elsewhere the same integers
         multiplied in float32 (exact below 2^24 per sum)."""
-        x = x.float()
-        # few passes over the rows (an eager prefill runs this on 512 rows a layer; a
-        # compiled decode step fuses it whatever the form)
-        row_scales = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-8) / 127.0
-        levels = (x / row_scales).round_().clamp_(-127, 127).to(torch.int8)
+        levels, row_scales = self.int8_rows.quantize(x)
         if x.device.type == "cpu":
             products = torch._int_mm(levels, self.qweight.t())
         else:
             products = levels.float() @ self.qweight.float().t()
-        return (products * row_scales).mul_(self.scales)
+        return self.int8_rows.scale(products, row_scales, self.scales)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the kernel sees it, [out, in]."""
@@ -271,6 +273,25 @@ def prefill_dtype() -> torch.dtype:
     """The dtype prefill rows multiply in: bfloat16 where oneDNN runs it natively
     (AVX-512 / AMX), else float32 (emulated bfloat16 would be slower than float32)."""
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+def prefill_attention_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype a quantized model's prefill attends in on the CPU: `prefill_dtype()`, as
+    its projections multiply there (PyTorch's CPU flash attention in bfloat16 took a third of
+    float32's time for 512 causal tokens with AMX); None (the cache's own dtype) for float
+    models and off the CPU."""
+    quantized = any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+    on_cpu = next(model.buffers(), torch.empty(0)).device.type == "cpu"
+    return prefill_dtype() if quantized and on_cpu else None
+
+
+def wait_native_int8(model: nn.Module, timeout: float | None = None) -> bool:
+    """Build the w8a8 layers' native activation kernels now if need be and wait (benchmarks,
+    before they time); whether they are in use (False for other formats)."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear) and module.int8_activations:
+            return module.int8_rows.native.wait_ready(timeout)
+    return False
 
 
 def _unpacks_exactly(packed: torch.Tensor, levels: torch.Tensor) -> bool:

@@ -1,0 +1,69 @@
+"""The float sides of w8a8's integer matmul on the CPU: rows of activations quantized to int8,
+and the int32 products scaled back to floats.
+
+`Int8Linear` with int8 activations (streamgrok/model/quantized.py) multiplies x W^T as
+levels(x) @ W_int8^T by oneDNN's int8 GEMM, with each row of x quantized on its own scale
+(s = max |x| / 127) and the products scaled by the row's and the weight row's scales. In
+PyTorch's elementwise ops that is eight passes over the rows (abs, amax, clamp, divide,
+round, clamp, cast; then two multiplies over the products), about a third of an eager w8a8
+prefill here. The native kernels (`kernels/cpu/int8_rows.cpp`, built with the other native
+CPU kernels, `kernels.cpu_native`) do each side in one pass per row, with results equal to
+the references below bit for bit. A compiled decode step keeps the references: inductor
+fuses them into its own loops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu_native import NativeBuild
+
+LEVELS = 127.0  # int8 levels each side of zero (symmetric: -128 is never used)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, in] float32 as int8 levels [rows, in] and a float32 scale per row
+    [rows, 1]: levels = round(x / s) (ties to even) clamped to +-127, s = max |x| / 127
+    (at least 1e-8 / 127)."""
+    scales = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-8) / LEVELS
+    levels = (x / scales).round_().clamp_(-LEVELS, LEVELS).to(torch.int8)
+    return levels, scales
+
+
+def scale_products_reference(products: torch.Tensor, row_scales: torch.Tensor,
+                             col_scales: torch.Tensor, bias: torch.Tensor | None
+                             ) -> torch.Tensor:
+    """int32 products [rows, out] times each row's scale [rows, 1] times each output
+    column's [out] (float32), plus `bias` [out] if given."""
+    out = (products * row_scales).mul_(col_scales)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+class Int8Rows:
+    """Quantizes rows and scales products, natively where the kernels are built (see
+    `kernels.cpu_native.NativeBuild`: until then, and where they cannot be, the references
+    serve; no call waits for the compiler), for float32 CPU tensors outside a compiled
+    graph. One per model, shared by its w8a8 layers."""
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        self.native = NativeBuild("int8 rows", enabled)
+
+    def _serves(self, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and not torch.compiler.is_compiling()
+                and self.native.ready())
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`quantize_rows_reference(x.float())`."""
+        x = x.float()
+        if x.dim() == 2 and self._serves(x):
+            return torch.ops.streamgrok_cpu.quantize_rows(x)
+        return quantize_rows_reference(x)
+
+    def scale(self, products: torch.Tensor, row_scales: torch.Tensor,
+              col_scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`scale_products_reference(products, row_scales, col_scales, bias)`."""
+        if (products.dim() == 2 and products.dtype == torch.int32
+                and col_scales.dtype == torch.float32 and self._serves(products)):
+            return torch.ops.streamgrok_cpu.scale_products(products, row_scales, col_scales,
+                                                           bias)
+        return scale_products_reference(products, row_scales, col_scales, bias)

@@ -1,0 +1,147 @@
+"""The native CPU kernels (`kernels/cpu/*.cpp`): one extension, built on first use.
+
+The extension holds the attention kernels (`kernels.cpu_attention`) and the float sides of
+w8a8's integer matmuls (`kernels.cpu_int8`). It is built with PyTorch's C++ extension
+builder (the C++ compiler inductor needs anyway), for this machine's instruction set (the
+build's name carries a hash of the sources and of the CPU's flags, so a cache shared between
+machines never runs code built for another), and its kernels are dispatcher ops under
+`torch.ops.streamgrok_cpu` (registered in C++, so a compiled graph calls them without Python
+in between; each has a fake here for tracing).
+
+`NativeBuild` is how a caller uses them without ever waiting for the compiler: the first call
+that could use them starts the build on a background thread and gets False, as do calls
+until the ops are loaded (the PyTorch path serves meanwhile); a failed build turns them off
+with one warning. `STREAMGROK_NATIVE_ATTENTION=0` keeps every caller on its PyTorch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.background_compile import BackgroundCompiles, import_compiler_quietly
+
+SOURCE_DIR = Path(__file__).with_name("cpu")
+SOURCES = tuple(SOURCE_DIR / name for name in (
+    "decode_attention.cpp", "paged_attention.cpp", "int8_rows.cpp"))
+HEADERS = (SOURCE_DIR / "attention_math.h",)
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+_BUILD_LOCK = threading.Lock()  # one build and registration, whichever thread asks first
+# "0": the PyTorch paths instead of the native kernels (the name predates the int8 kernels)
+NATIVE_ATTENTION_ENV = "STREAMGROK_NATIVE_ATTENTION"
+
+
+def native_kernels_by_default() -> bool:
+    """Whether the CPU paths use the native kernels where they build (off where
+    STREAMGROK_NATIVE_ATTENTION=0)."""
+    return os.environ.get(NATIVE_ATTENTION_ENV, "1") != "0"
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The native kernels could not be built here (no C++ compiler, or the build failed)."""
+
+
+def load_native_kernels() -> None:
+    """Build (or find built) and load the native kernels, once per process, whichever thread
+    asks first; raises NativeKernelUnavailable. Tens of seconds the first time on a machine,
+    then a load from PyTorch's build cache."""
+    with _BUILD_LOCK:
+        _build_and_register()
+
+
+def kernels_loaded() -> bool:
+    """Whether this process has loaded the kernels (without starting a build)."""
+    return _build_and_register.cache_info().currsize > 0
+
+
+@functools.cache
+def _build_and_register() -> None:
+    import_compiler_quietly()
+    from torch.utils import cpp_extension
+
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    machine = f"{platform.machine()} {_cpu_flags()} {' '.join(_CFLAGS)} {torch.__version__}"
+    digest = hashlib.sha256(source + machine.encode()).hexdigest()[:12]
+    try:
+        cpp_extension.load(f"streamgrok_cpu_kernels_{digest}", [str(p) for p in SOURCES],
+                           extra_cflags=_CFLAGS, is_python_module=False, verbose=False)
+    except Exception as error:  # no compiler, a failed build, a failed load
+        raise NativeKernelUnavailable(
+            f"the native CPU kernels ({', '.join(p.name for p in SOURCES)}) were not built "
+            f"({type(error).__name__}: {error})") from error
+    torch.library.register_fake("streamgrok_cpu::decode_attention", _fake_decode_attention)
+    torch.library.register_fake("streamgrok_cpu::paged_attention", _fake_paged_attention)
+    torch.library.register_fake("streamgrok_cpu::quantize_rows", _fake_quantize_rows)
+    torch.library.register_fake("streamgrok_cpu::scale_products", _fake_scale_products)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+class NativeBuild:
+    """Whether one caller's native kernels are in use: on unless told
+    (`native_kernels_by_default`); built on a background thread on the first `ready()`."""
+
+    def __init__(self, what: str, enabled: bool | None = None) -> None:
+        self.enabled = native_kernels_by_default() if enabled is None else enabled
+        self._what = what
+        self._build = BackgroundCompiles(f"native CPU {what}")
+
+    def ready(self) -> bool:
+        """Whether the kernels are loaded (starting their build if need be)."""
+        if not self.enabled:
+            return False
+        if self._build.is_ready(self._what):
+            return True
+        self._build.start(self._what, load_native_kernels)
+        return False
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Build now if not started, wait for it; whether the kernels are in use (benchmarks
+        and tests, before they measure or compare)."""
+        if self.enabled:
+            self._build.start(self._what, load_native_kernels)
+            self._build.wait(timeout)
+        return self.enabled and self._build.is_ready(self._what)
+
+    @property
+    def error(self) -> str | None:
+        """Why the native kernels are off, if their build failed."""
+        return self._build.error
+
+
+def _fake_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _fake_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale, v_scale,
+                          block_tables: torch.Tensor, cu_q: torch.Tensor, past: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, page_size: int,
+                          mass_rows: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    width = block_tables.shape[1] * page_size
+    mass = q.new_empty((block_tables.shape[0], width) if mass_rows > 0 else (0,))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), mass
+
+
+def _fake_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x.new_empty(x.shape, dtype=torch.int8),
+            x.new_empty((x.shape[0], 1), dtype=torch.float32))
+
+
+def _fake_scale_products(products: torch.Tensor, row_scales: torch.Tensor,
+                         col_scales: torch.Tensor, bias) -> torch.Tensor:
+    return products.new_empty(products.shape, dtype=torch.float32)
