@@ -9,7 +9,9 @@ round, clamp, cast; then two multiplies over the products), about a third of an 
 prefill here. The native kernels (`kernels/cpu/int8_rows.cpp`, built with the other native
 CPU kernels, `kernels.cpu_native`) do each side in one pass per row, with results equal to
 the references below bit for bit. A compiled decode step keeps the references: inductor
-fuses them into its own loops.
+fuses them into its own loops. Between a fused gate/up projection and the down projection,
+`Int8Rows.swiglu` goes from the one's int32 products to the other's int8 input in one pass
+(the float activations of the feed-forward layer never leave a row's scratch).
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ def scale_products_reference(products: torch.Tensor, row_scales: torch.Tensor,
     return out if bias is None else out + bias.to(out.dtype)
 
 
+def swiglu_levels_reference(products: torch.Tensor, row_scales: torch.Tensor,
+                            col_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up quantized by rows, where gate and up are the two halves of the scaled
+    products [rows, 2 * width] of a fused gate/up projection: levels [rows, width] and
+    scales [rows, 1]."""
+    gate, up = scale_products_reference(products, row_scales, col_scales, None).chunk(2, -1)
+    return quantize_rows_reference(torch.nn.functional.silu(gate) * up)
+
+
 class Int8Rows:
     """Quantizes rows and scales products, natively where the kernels are built (see
     `kernels.cpu_native.NativeBuild`: until then, and where they cannot be, the references
@@ -48,14 +59,15 @@ class Int8Rows:
     def __init__(self, enabled: bool | None = None) -> None:
         self.native = NativeBuild("int8 rows", enabled)
 
-    def _serves(self, x: torch.Tensor) -> bool:
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether calls on `x` run natively (starting the build if need be)."""
         return (x.device.type == "cpu" and not torch.compiler.is_compiling()
                 and self.native.ready())
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`quantize_rows_reference(x.float())`."""
         x = x.float()
-        if x.dim() == 2 and self._serves(x):
+        if x.dim() == 2 and self.serves(x):
             return torch.ops.streamgrok_cpu.quantize_rows(x)
         return quantize_rows_reference(x)
 
@@ -63,7 +75,17 @@ class Int8Rows:
               col_scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`scale_products_reference(products, row_scales, col_scales, bias)`."""
         if (products.dim() == 2 and products.dtype == torch.int32
-                and col_scales.dtype == torch.float32 and self._serves(products)):
+                and col_scales.dtype == torch.float32 and self.serves(products)):
             return torch.ops.streamgrok_cpu.scale_products(products, row_scales, col_scales,
                                                            bias)
         return scale_products_reference(products, row_scales, col_scales, bias)
+
+    def swiglu(self, products: torch.Tensor, row_scales: torch.Tensor,
+               col_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`swiglu_levels_reference(products, row_scales, col_scales)`, natively in one pass
+        (levels may differ by one next to a rounding boundary: another exponential)."""
+        if (products.dim() == 2 and products.dtype == torch.int32
+                and col_scales.dtype == torch.float32 and self.serves(products)):
+            return torch.ops.streamgrok_cpu.swiglu_quantize_rows(products, row_scales,
+                                                                 col_scales)
+        return swiglu_levels_reference(products, row_scales, col_scales)

@@ -55,11 +55,6 @@ def load_native_kernels() -> None:
         _build_and_register()
 
 
-def kernels_loaded() -> bool:
-    """Whether this process has loaded the kernels (without starting a build)."""
-    return _build_and_register.cache_info().currsize > 0
-
-
 @functools.cache
 def _build_and_register() -> None:
     import_compiler_quietly()
@@ -79,6 +74,7 @@ def _build_and_register() -> None:
     torch.library.register_fake("streamgrok_cpu::paged_attention", _fake_paged_attention)
     torch.library.register_fake("streamgrok_cpu::quantize_rows", _fake_quantize_rows)
     torch.library.register_fake("streamgrok_cpu::scale_products", _fake_scale_products)
+    torch.library.register_fake("streamgrok_cpu::swiglu_quantize_rows", _fake_swiglu)
 
 
 def _cpu_flags() -> str:
@@ -145,3 +141,10 @@ def _fake_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _fake_scale_products(products: torch.Tensor, row_scales: torch.Tensor,
                          col_scales: torch.Tensor, bias) -> torch.Tensor:
     return products.new_empty(products.shape, dtype=torch.float32)
+
+
+def _fake_swiglu(products: torch.Tensor, row_scales: torch.Tensor, col_scales: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, width = products.shape[0], products.shape[1] // 2
+    return (products.new_empty((rows, width), dtype=torch.int8),
+            products.new_empty((rows, 1), dtype=torch.float32))

@@ -9,7 +9,12 @@ import torch
 import torch.nn.functional as F
 from helpers import random_model, tiny_config, write_gguf
 
-from kernels.cpu_int8 import Int8Rows, quantize_rows_reference, scale_products_reference
+from kernels.cpu_int8 import (
+    Int8Rows,
+    quantize_rows_reference,
+    scale_products_reference,
+    swiglu_levels_reference,
+)
 from kernels.rotary import apply_rotary
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
@@ -20,6 +25,7 @@ from streamgrok.model.quantized import (
     prefill_attention_dtype,
     prefill_dtype,
     quantize_model,
+    swiglu_w8a8,
     wait_native_int8,
 )
 
@@ -72,6 +78,21 @@ def test_scaled_products_equal_the_reference(native, rows, width, with_bias):
     assert torch.equal(out, scale_products_reference(products, row_scales, col_scales, bias))
 
 
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (9, 64), (300, 256)])
+def test_swiglu_levels_match_the_reference_within_one_level(native, rows, width):
+    gen = torch.Generator().manual_seed(rows)
+    products = torch.randint(-(1 << 16), 1 << 16, (rows, 2 * width), generator=gen,
+                             dtype=torch.int32)
+    row_scales = torch.rand(rows, 1, generator=gen) * 1e-3
+    col_scales = torch.rand(2 * width, generator=gen) * 1e-2
+    levels, scales = native.swiglu(products, row_scales, col_scales)
+    expected_levels, expected_scales = swiglu_levels_reference(products, row_scales, col_scales)
+    assert levels.shape == (rows, width) and levels.dtype == torch.int8
+    torch.testing.assert_close(scales, expected_scales, rtol=1e-5, atol=0)
+    differ = (levels.int() - expected_levels.int()).abs()
+    assert differ.max() <= 1 and differ.float().mean() < 0.01
+
+
 def test_non_contiguous_rows_are_read_as_their_values(native):
     x = activation_rows(40, 128, seed=3).t()  # a transposed view: 128 rows of 40
     levels, scales = native.quantize(x)
@@ -105,7 +126,22 @@ def test_a_w8a8_layer_gives_the_same_output_with_the_native_rows(native, rows):
     assert torch.equal(fast(x), reference(x))
 
 
-def test_a_w8a8_model_generates_the_same_with_the_native_rows(tmp_path, monkeypatch):
+def test_the_fused_feed_forward_is_the_w8a8_layers_one_after_the_other(native):
+    torch.manual_seed(3)
+    gate_up = Int8Linear(torch.randn(192, 64) * 0.1, None, True, native)
+    down = Int8Linear(torch.randn(64, 96) * 0.1, None, True, native)
+    x = torch.randn(2, 7, 64)
+    fused = swiglu_w8a8(gate_up, down, x)
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    separate = down(F.silu(gate) * up)
+    assert fused.shape == (2, 7, 64)
+    torch.testing.assert_close(fused, separate, rtol=0.02, atol=0.02)  # a level here and there
+    off = Int8Linear(torch.randn(192, 64), None, True)  # PyTorch's ops: not fused
+    assert swiglu_w8a8(off, down, x) is None
+    assert swiglu_w8a8(gate_up, Int8Linear(torch.randn(64, 96), None), x) is None
+
+
+def test_a_w8a8_model_gives_the_same_logits_with_the_native_kernels(tmp_path, monkeypatch):
     config = tiny_config(max_positions=256, hidden_size=128, intermediate_size=256,
                          head_dim=32)
     path = write_gguf(tmp_path / "tiny.gguf", random_model(config, seed=8))
@@ -123,7 +159,9 @@ def test_a_w8a8_model_generates_the_same_with_the_native_rows(tmp_path, monkeypa
                                    cache)
             step = loaded.model(ids[:1], BatchMetadata.build([0], [1]), cache)
         logits.append(torch.cat([prefill, step]))
-    assert torch.equal(logits[0], logits[1])
+    # the same but for the fused feed-forward's exponential (a level here and there)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0.02, atol=0.02)
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.95
 
 
 def test_quantized_models_prefill_attention_in_the_prefill_dtype():

@@ -15,6 +15,7 @@ from streamgrok.model.quantized import (
     DEQUANTIZED_MIN_ROWS,
     Int4Linear,
     Int8Linear,
+    prefill_dtype,
     quantize_model,
 )
 from streamgrok.model.quantized_embedding import Int8Embedding
@@ -144,3 +145,24 @@ def test_a_table_already_in_groups_of_int8_comes_back_exactly():
     table = (levels.view(64, 2, 32) * scales[..., None]).view(64, 64)
     torch.testing.assert_close(Int8Embedding.of(table).dequantized(), table, rtol=1e-6,
                                atol=0)
+
+
+@pytest.mark.parametrize("weights", ["q8", "w8a8"])
+def test_an_int8_output_head_multiplies_a_batch_by_its_bfloat16_copy(tmp_path, weights):
+    config = tiny_config(max_positions=128, hidden_size=128, intermediate_size=256,
+                         head_dim=32)
+    path = write_gguf(tmp_path / "tiny.gguf", random_model(config, seed=3))
+    model = load_model(path, weights=weights).model
+    head = model.output
+    assert all(m.wide is None for m in model.modules()
+               if isinstance(m, Int8Linear) and m is not head)  # the head only
+    if prefill_dtype() != torch.bfloat16:  # no native bfloat16 here: nothing kept
+        assert head.wide is None
+        return
+    assert torch.equal(head.wide, head.dequantized(torch.bfloat16))
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(head(x), torch.nn.functional.linear(x.bfloat16(), head.wide).float())
+    one_row = torch.ops.aten._weight_int8pack_mm(x[:1].bfloat16(), head.qweight, head.scales)
+    assert torch.equal(head(x[:1]), one_row.float())  # one row: the int8 kernel
+    torch.testing.assert_close(head(x[:1]), head(x)[:1], rtol=0.02, atol=0.02)
+    assert quantize_model(load_model(path).model, "q8").output.wide is not None

@@ -8,8 +8,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -108,15 +110,63 @@ at::Tensor scale_products(const at::Tensor& products, const at::Tensor& row_scal
   return out;
 }
 
+// levels and scale of silu(gate) * up, where gate and up are the two halves of one row of
+// scaled products (a fused gate/up projection): the float row lives only in `scratch`. The
+// exponential is the vectorized library one, so levels can differ from the reference's by
+// one where the product falls next to a rounding boundary.
+void swiglu_row(const int32_t* products, float scale, const float* cols, int64_t width,
+                float* scratch, int8_t* levels, float* level_scale) {
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) {
+    const float gate = static_cast<float>(products[i]) * scale * cols[i];
+    const float up = static_cast<float>(products[width + i]) * scale * cols[width + i];
+    scratch[i] = gate / (1.f + std::exp(-gate)) * up;
+  }
+  quantize_row(scratch, width, levels, level_scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> swiglu_quantize_rows(const at::Tensor& products,
+                                                        const at::Tensor& row_scales,
+                                                        const at::Tensor& col_scales) {
+  TORCH_CHECK(products.dim() == 2 && products.scalar_type() == at::kInt &&
+                  products.device().is_cpu() && products.size(1) % 2 == 0,
+              "swiglu_quantize_rows: products must be a 2-d int32 CPU tensor of even width "
+              "(gate then up), got ", products.scalar_type(), " ", products.sizes());
+  const int64_t count = products.size(0), width = products.size(1) / 2;
+  TORCH_CHECK(row_scales.numel() == count && row_scales.scalar_type() == at::kFloat,
+              "swiglu_quantize_rows: row_scales must hold ", count, " float32 values");
+  TORCH_CHECK(col_scales.numel() == 2 * width && col_scales.scalar_type() == at::kFloat,
+              "swiglu_quantize_rows: col_scales must hold ", 2 * width, " float32 values");
+  const at::Tensor p = products.contiguous();
+  const at::Tensor rs = row_scales.contiguous(), cs = col_scales.contiguous();
+  at::Tensor levels = at::empty({count, width}, p.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({count, 1}, p.options().dtype(at::kFloat));
+  const int32_t* in = p.data_ptr<int32_t>();
+  const float* r = rs.data_ptr<float>();
+  const float* c = cs.data_ptr<float>();
+  int8_t* out = levels.data_ptr<int8_t>();
+  float* s = scales.data_ptr<float>();
+  at::parallel_for(0, count, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(width);
+    for (int64_t row = begin; row < end; ++row)
+      swiglu_row(in + row * 2 * width, r[row], c, width, scratch.data(), out + row * width,
+                 s + row);
+  });
+  return {levels, scales};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(streamgrok_cpu, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_products(Tensor products, Tensor row_scales, Tensor col_scales, Tensor? bias)"
         " -> Tensor");
+  m.def("swiglu_quantize_rows(Tensor products, Tensor row_scales, Tensor col_scales)"
+        " -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) {
   m.impl("quantize_rows", &quantize_rows);
   m.impl("scale_products", &scale_products);
+  m.impl("swiglu_quantize_rows", &swiglu_quantize_rows);
 }

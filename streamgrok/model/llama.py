@@ -16,6 +16,7 @@ from kernels.ops import KernelOps
 from streamgrok.model.batch import AttentionBackend, BatchMetadata
 from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.config import ModelConfig
+from streamgrok.model.quantized import swiglu_w8a8
 
 
 class RMSNorm(nn.Module):
@@ -84,6 +85,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w_gate_up is not None:
+            if (fused := swiglu_w8a8(self.w_gate_up, self.w_down, x)) is not None:
+                return fused
             gate, up = self.w_gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.w_gate(x), self.w_up(x)

@@ -19,6 +19,7 @@ from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_
 from streamgrok.model.llama import Transformer, fuse_projections
 from streamgrok.model.quantized import (
     WEIGHT_FORMATS,
+    Int8Linear,
     QuantizedRows,
     quantize_embedding,
     quantized_rows,
@@ -145,9 +146,11 @@ class _PackedAsRead:
         module = name.removesuffix(".weight")
         path = self.fused_into.get(module)
         if path is None:  # the output head keeps bfloat16 activations (see smoothing)
-            self.layers[module] = rows.linear(
-                int8_activations=self.int8_activations and module != "output",
-                int8_rows=self.int8_rows)
+            layer = rows.linear(int8_activations=self.int8_activations and module != "output",
+                                int8_rows=self.int8_rows)
+            if module == "output" and isinstance(layer, Int8Linear):
+                layer.keep_wide()  # a batch's logits by bfloat16 matmul (see WIDE_MIN_ROWS)
+            self.layers[module] = layer
             return
         self.waiting[module] = rows
         if all(part in self.waiting for part in self.parts[path]):

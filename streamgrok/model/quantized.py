@@ -33,6 +33,13 @@ QUANTIZE_BLOCK_ELEMENTS = 1 << 21  # weights quantized per block of rows (8 MB o
 # instead of the packed kernels, which are built for a few rows: 3072x576 at 512 rows,
 # 2 threads, int4 kernel 12.0 ms, dequantize + bfloat16 matmul 4.7 ms; they cross near 150.
 DEQUANTIZED_MIN_ROWS = 160
+# A layer that keeps a bfloat16 copy (`Int8Linear.keep_wide`: the output head) multiplies by
+# it from this many rows: the weight-only int8 kernel dequantizes the whole weight for every
+# few rows (SmolLM2's 49152x576 head, 2 threads, AMX: 1 row 1.0 ms vs bfloat16 2.1 ms,
+# reading twice the bytes; 8 rows 3.8 vs 2.0 ms; 32 rows 19.0 vs 3.3 ms). Two, not the
+# crossing near 4 rows: a compiled decode step's graph for several sequences is traced at a
+# batch of a few, and must take the path it will run at 8 or 32.
+WIDE_MIN_ROWS = 2
 _CPU_PACK_BLOCK = 64  # output rows per block of PyTorch's CPU int4 layout
 
 
@@ -136,12 +143,23 @@ class Int8Linear(nn.Module):
             torch.float32 if int8_activations else torch.bfloat16))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features, self.in_features = rows.values.shape
+        self.register_buffer("wide", None)  # the bfloat16 copy, where kept
+
+    def keep_wide(self) -> None:
+        """Also keep the weight dequantized to bfloat16 (twice the int8 bytes) and multiply by
+        it from WIDE_MIN_ROWS rows: for a large layer with float activations (the output
+        head) where the CPU multiplies bfloat16 natively; elsewhere nothing changes."""
+        if self.qweight.device.type == "cpu" and not self.int8_activations and \
+                prefill_dtype() == torch.bfloat16:
+            self.register_buffer("wide", self.dequantized(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
         if self.int8_activations:
             out = self._integer_matmul(flat).to(x.dtype)
+        elif self.wide is not None and flat.shape[0] >= WIDE_MIN_ROWS:
+            out = F.linear(flat.to(self.wide.dtype), self.wide).to(x.dtype)
         elif flat.device.type == "cpu" and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
             dtype = prefill_dtype()
             out = F.linear(flat.to(dtype), self.dequantized(dtype)).to(x.dtype)
@@ -155,15 +173,22 @@ class Int8Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def _integer_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T in float32 from int8 x (a scale per row) times int8 W: oneDNN's int8 GEMM
-        on the CPU (W [out, in] read as the transpose it is); elsewhere the same integers
-        multiplied in float32 (exact below 2^24 per sum)."""
-        levels, row_scales = self.int8_rows.quantize(x)
-        if x.device.type == "cpu":
-            products = torch._int_mm(levels, self.qweight.t())
-        else:
-            products = levels.float() @ self.qweight.float().t()
-        return self.int8_rows.scale(products, row_scales, self.scales)
+        """x W^T in float32 from int8 x (a scale per row) times int8 W."""
+        return self.levels_times_weight(*self.int8_rows.quantize(x))
+
+    def levels_times_weight(self, levels: torch.Tensor, row_scales: torch.Tensor
+                            ) -> torch.Tensor:
+        """The float32 product of int8 activations [rows, in] (with a scale per row) and
+        the weight: oneDNN's int8 GEMM on the CPU (W [out, in] read as the transpose it
+        is); elsewhere the same integers multiplied in float32 (exact below 2^24 per sum)."""
+        return self.int8_rows.scale(self.integer_products(levels), row_scales, self.scales)
+
+    def integer_products(self, levels: torch.Tensor) -> torch.Tensor:
+        """levels [rows, in] int8 times the int8 weight: int32 [rows, out] on the CPU, the
+        same integers as float32 elsewhere."""
+        if levels.device.type == "cpu":
+            return torch._int_mm(levels, self.qweight.t())
+        return levels.float() @ self.qweight.float().t()
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the kernel sees it, [out, in]."""
@@ -275,6 +300,27 @@ def prefill_dtype() -> torch.dtype:
     return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
+def swiglu_w8a8(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """down(silu(gate) * up) for a fused gate/up projection and a down projection that are
+    both w8a8, with the float activations between them never written out
+    (`Int8Rows.swiglu`: from gate/up's int32 products to down's int8 input in one pass);
+    None where that does not serve (other layers, biases, a compiled graph, kernels not
+    built): the caller then runs the layers as they are."""
+    if not (isinstance(gate_up, Int8Linear) and isinstance(down, Int8Linear)
+            and gate_up.int8_activations and down.int8_activations
+            and gate_up.bias is None and down.bias is None):
+        return None
+    flat = x.reshape(-1, gate_up.in_features)
+    rows = gate_up.int8_rows
+    if not rows.serves(flat):
+        return None
+    levels, row_scales = rows.quantize(flat)
+    levels, row_scales = rows.swiglu(gate_up.integer_products(levels), row_scales,
+                                     gate_up.scales)
+    out = down.levels_times_weight(levels, row_scales)
+    return out.to(x.dtype).reshape(*x.shape[:-1], down.out_features)
+
+
 def prefill_attention_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype a quantized model's prefill attends in on the CPU: `prefill_dtype()`, as
     its projections multiply there (PyTorch's CPU flash attention in bfloat16 took a third of
@@ -323,6 +369,8 @@ def quantize_model(model: nn.Module, weights: str) -> nn.Module:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, quantized_rows(child.weight, weights).linear(child.bias))
+    if isinstance(getattr(model, "output", None), Int8Linear):
+        model.output.keep_wide()  # a batch's logits by bfloat16 matmul (see WIDE_MIN_ROWS)
     quantize_embedding(model)
     return model
 
