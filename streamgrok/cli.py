@@ -228,8 +228,9 @@ def _add_bench_commands(commands) -> None:
     decode.add_argument("--formats", default="f32,bf16,q8,q4",
                         help="weight formats compared (f32 is the accuracy reference)")
     decode.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                        help="K/V cache dtype of every format: auto is the model's compute "
-                             "dtype (llama.cpp's default cache is float16)")
+                        help="K/V cache dtype of every format: auto is bfloat16 for the "
+                             "quantized formats where the CPU has native bfloat16 (llama.cpp's "
+                             "default cache is float16), else the model's compute dtype")
     decode.add_argument("--peer", default=None, choices=("llama.cpp",),
                         help="also measure llama.cpp's own benchmarks on the same GGUF")
     decode.add_argument("--peer-bin", default=None,

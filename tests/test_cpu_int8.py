@@ -186,11 +186,12 @@ def test_prefill_attends_in_the_caches_prefill_dtype():
     assert cache.k[0].dtype == torch.float32
 
 
-def test_the_generator_of_a_quantized_model_prefills_in_its_prefill_dtype(tmp_path):
+def test_the_generator_of_a_quantized_model_caches_and_prefills_in_its_prefill_dtype(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf", random_model(tiny_config(), seed=5))
-    assert Generator(load_model(path, weights="q8"), capacity=32).cache.prefill_dtype == \
-        prefill_dtype()
-    assert Generator(load_model(path), capacity=32).cache.prefill_dtype == torch.float32
+    quantized = Generator(load_model(path, weights="q8"), capacity=32).cache
+    assert quantized.prefill_dtype == prefill_dtype() == quantized.k[0].dtype  # K/V too
+    exact = Generator(load_model(path), capacity=32).cache
+    assert exact.prefill_dtype == torch.float32 == exact.k[0].dtype
 
 
 def test_bfloat16_prefill_attention_matches_sdpa_in_bfloat16():

@@ -25,7 +25,7 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
                      repeats: int = 3, peer: str | None = None, peer_bin: str | None = None,
                      kv_dtype: str = "auto", out: str = "bench-results") -> list[dict]:
     """Print one row per measurement, one column per weight format (and the peer); every
-    format's K/V cache in `kv_dtype` (auto: its compute dtype)."""
+    format's K/V cache in `kv_dtype` (auto: `streamgrok.model.quantized.cache_dtype`)."""
     import torch
 
     from streamgrok.model.loader import default_model_path

@@ -22,7 +22,7 @@ from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.generate import Generator
 from streamgrok.model.loader import LoadedModel, load_model
-from streamgrok.model.quantized import prefill_attention_dtype, wait_native_int8
+from streamgrok.model.quantized import cache_dtype, prefill_attention_dtype, wait_native_int8
 from streamgrok.model.sampling import SamplingParams
 from streamgrok.runtime import configure_threads, resolve_dtype
 
@@ -66,7 +66,8 @@ def measure(spec: dict) -> dict:
     loaded = load_model(spec["model"], dtype, "cpu", weights)
     gc.collect()
     model = loaded.model
-    kv_dtype = model.dtype if spec["kv_dtype"] == "auto" else resolve_dtype(spec["kv_dtype"])
+    kv_dtype = cache_dtype(model) if spec["kv_dtype"] == "auto" else \
+        resolve_dtype(spec["kv_dtype"])
     out: dict = {"weights": weights, "weight_mb": model.weight_bytes() / 1e6,
                  "decode_read_mb": model.decode_read_bytes() / 1e6}
     out["compile_s"] = _compile_decode(loaded, kv_dtype)
@@ -161,7 +162,7 @@ def _agreement(loaded: LoadedModel, spec: dict, kv_dtype: torch.dtype) -> dict:
 
 def greedy_answers(loaded: LoadedModel) -> list[list[int]]:
     """The model's greedy answers (token ids, at most ANSWER_TOKENS) to QUESTIONS, batched;
-    the K/V cache in the model's dtype."""
+    the K/V cache as `Generator` keeps it (`cache_dtype`)."""
     generator = Generator(loaded, max_batch=len(QUESTIONS), capacity=256)
     prompts = [generator.chat_prompt(question) for question in QUESTIONS]
     greedy = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS)

@@ -15,7 +15,7 @@ from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.detokenizer import IncrementalDetokenizer
 from streamgrok.model.loader import LoadedModel
-from streamgrok.model.quantized import prefill_attention_dtype
+from streamgrok.model.quantized import cache_dtype, prefill_attention_dtype
 from streamgrok.model.sampling import SamplingParams, new_generator, sample
 
 
@@ -34,8 +34,8 @@ class Generator:
         self.loaded = loaded
         self.capacity = capacity or loaded.config.max_positions
         self.cache = ContiguousKVCache(
-            loaded.config, max_batch, self.capacity, loaded.model.dtype, loaded.model.device,
-            prefill_attention_dtype(loaded.model))
+            loaded.config, max_batch, self.capacity, cache_dtype(loaded.model),
+            loaded.model.device, prefill_attention_dtype(loaded.model))
 
     def chat_prompt(self, question: str, system: str | None = None) -> list[int]:
         """Token ids of a one-turn chat prompt in the model's own template."""

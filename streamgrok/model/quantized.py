@@ -331,6 +331,14 @@ def prefill_attention_dtype(model: nn.Module) -> torch.dtype | None:
     return prefill_dtype() if quantized and on_cpu else None
 
 
+def cache_dtype(model: nn.Module) -> torch.dtype:
+    """The contiguous cache's K/V dtype for `model` (plain generation, `bench decode`'s
+    auto): a quantized model's prefill dtype on the CPU (bfloat16 where native: a decode step
+    reads every cached key and value, and on these CPUs attention is bound by those bytes;
+    llama.cpp keeps float16 K/V by default), else the model's compute dtype."""
+    return prefill_attention_dtype(model) or model.dtype
+
+
 def wait_native_int8(model: nn.Module, timeout: float | None = None) -> bool:
     """Build the w8a8 layers' native activation kernels now if need be and wait (benchmarks,
     before they time); whether they are in use (False for other formats)."""
