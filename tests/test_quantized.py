@@ -10,7 +10,8 @@ from helpers import random_model, tiny_config, write_gguf
 
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
-from streamgrok.model.loader import load_model
+from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
+from streamgrok.model.loader import build_model, load_model
 from streamgrok.model.quantized import (
     DEQUANTIZED_MIN_ROWS,
     Int4Linear,
@@ -166,3 +167,7 @@ def test_an_int8_output_head_multiplies_a_batch_by_its_bfloat16_copy(tmp_path, w
     assert torch.equal(head(x[:1]), one_row.float())  # one row: the int8 kernel
     torch.testing.assert_close(head(x[:1]), head(x)[:1], rtol=0.02, atol=0.02)
     assert quantize_model(load_model(path).model, "q8").output.wide is not None
+    contents = open_gguf(path)  # w8a8's calibration model is built without the copy
+    narrow = build_model(contents.config, iter_state_dict(contents, torch.float32), "cpu", "q8",
+                         wide_head=False)
+    assert narrow.output.wide is None

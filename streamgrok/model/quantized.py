@@ -192,8 +192,8 @@ class Int8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the kernel sees it, [out, in]."""
-        if dtype == torch.bfloat16:  # (w8a8 keeps float32 scales)
-            return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
+        if dtype == torch.bfloat16:  # (w8a8 keeps float32 scales); one temporary, not two
+            return self.qweight.to(dtype).mul_(self.scales.to(dtype)[:, None])
         return (self.qweight.to(torch.float32) * self.scales.float()[:, None]).to(dtype)
 
 
