@@ -64,6 +64,10 @@ class Int8Rows:
         return (x.device.type == "cpu" and not torch.compiler.is_compiling()
                 and self.native.ready())
 
+    def _serves_products(self, products: torch.Tensor, col_scales: torch.Tensor) -> bool:
+        return (products.dim() == 2 and products.dtype == torch.int32
+                and col_scales.dtype == torch.float32 and self.serves(products))
+
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`quantize_rows_reference(x.float())`."""
         x = x.float()
@@ -74,8 +78,7 @@ class Int8Rows:
     def scale(self, products: torch.Tensor, row_scales: torch.Tensor,
               col_scales: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`scale_products_reference(products, row_scales, col_scales, bias)`."""
-        if (products.dim() == 2 and products.dtype == torch.int32
-                and col_scales.dtype == torch.float32 and self.serves(products)):
+        if self._serves_products(products, col_scales):
             return torch.ops.streamgrok_cpu.scale_products(products, row_scales, col_scales,
                                                            bias)
         return scale_products_reference(products, row_scales, col_scales, bias)
@@ -84,8 +87,7 @@ class Int8Rows:
                col_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`swiglu_levels_reference(products, row_scales, col_scales)`, natively in one pass
         (levels may differ by one next to a rounding boundary: another exponential)."""
-        if (products.dim() == 2 and products.dtype == torch.int32
-                and col_scales.dtype == torch.float32 and self.serves(products)):
+        if self._serves_products(products, col_scales):
             return torch.ops.streamgrok_cpu.swiglu_quantize_rows(products, row_scales,
                                                                  col_scales)
         return swiglu_levels_reference(products, row_scales, col_scales)

@@ -19,8 +19,8 @@ from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_
 from streamgrok.model.llama import Transformer, fuse_projections
 from streamgrok.model.quantized import (
     WEIGHT_FORMATS,
-    Int8Linear,
     QuantizedRows,
+    keep_wide_head,
     quantize_embedding,
     quantized_rows,
 )
@@ -88,8 +88,7 @@ def build_model(
     linears = {f"{name}.weight" for name, module in model.named_modules()
                if isinstance(module, torch.nn.Linear)}
     state: dict[str, torch.Tensor] = {}
-    packed = _PackedAsRead(config.num_layers, fuse, int8_activations=weights == "w8a8",
-                           wide_head=wide_head)
+    packed = _PackedAsRead(config.num_layers, fuse, int8_activations=weights == "w8a8")
     rescaled = smoothing.rescaled if smoothing is not None else (lambda _, tensor: tensor)
     for index, (name, tensor) in enumerate(tensors):
         if quantize and name in linears:
@@ -118,6 +117,8 @@ def build_model(
         return model.eval().requires_grad_(False)
     model.load_state_dict(state, assign=True, strict=False)
     packed.install(model, state)
+    if wide_head:
+        keep_wide_head(model)
     quantize_embedding(model)
     return model.eval().requires_grad_(False)
 
@@ -134,10 +135,8 @@ class _PackedAsRead:
     been read (q, k and v for a fused `wqkv`; gate and up for `w_gate_up`), so the unpacked
     levels of only a few weights are in memory at once."""
 
-    def __init__(self, num_layers: int, fuse: bool, int8_activations: bool = False,
-                 wide_head: bool = True) -> None:
+    def __init__(self, num_layers: int, fuse: bool, int8_activations: bool = False) -> None:
         self.int8_activations = int8_activations  # w8a8 layers
-        self.wide_head = wide_head
         # their activation quantization, native once built (one build for the model)
         self.int8_rows = Int8Rows() if int8_activations else None
         self.parts: dict[str, list[str]] = {}  # fused module path -> the weights it joins
@@ -156,11 +155,9 @@ class _PackedAsRead:
         module = name.removesuffix(".weight")
         path = self.fused_into.get(module)
         if path is None:  # the output head keeps bfloat16 activations (see smoothing)
-            layer = rows.linear(int8_activations=self.int8_activations and module != "output",
-                                int8_rows=self.int8_rows)
-            if module == "output" and isinstance(layer, Int8Linear) and self.wide_head:
-                layer.keep_wide()  # a batch's logits by bfloat16 matmul (see WIDE_MIN_ROWS)
-            self.layers[module] = layer
+            self.layers[module] = rows.linear(
+                int8_activations=self.int8_activations and module != "output",
+                int8_rows=self.int8_rows)
             return
         self.waiting[module] = rows
         if all(part in self.waiting for part in self.parts[path]):

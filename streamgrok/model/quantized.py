@@ -377,10 +377,16 @@ def quantize_model(model: nn.Module, weights: str) -> nn.Module:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, quantized_rows(child.weight, weights).linear(child.bias))
-    if isinstance(getattr(model, "output", None), Int8Linear):
-        model.output.keep_wide()  # a batch's logits by bfloat16 matmul (see WIDE_MIN_ROWS)
+    keep_wide_head(model)
     quantize_embedding(model)
     return model
+
+
+def keep_wide_head(model: nn.Module) -> None:
+    """An int8 output head also keeps its bfloat16 copy (`Int8Linear.keep_wide`): a batch's
+    logits by bfloat16 matmul (see WIDE_MIN_ROWS)."""
+    if isinstance(getattr(model, "output", None), Int8Linear):
+        model.output.keep_wide()
 
 
 def quantize_embedding(model: nn.Module) -> None:
