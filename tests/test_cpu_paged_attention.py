@@ -100,6 +100,26 @@ def test_prefill_chunks_equal_the_reference(dtype, mass_window):
         torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_chunks_of_few_query_rows_equal_the_reference(heads, kv_heads, dtype):
+    """Chunks whose query tokens times the query group are a few rows (scored untransposed,
+    like decode rows) and chunks of more rows, causal within each, keys on both sides of
+    page and block boundaries."""
+    dim = 64
+    kv = pool(kv_heads, dim, dtype, seed=heads)
+    counts, past = [1, 2, 5, 8, 9], torch.tensor([0, 17, 130, 3, 40])
+    tables = page_tables(len(counts), 12, seed=4)
+    cu_q = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    cos, sin = rotary_tables(dim, 12 * PAGE)
+    q = torch.randn(sum(counts), heads, dim, generator=torch.Generator().manual_seed(3))
+    ref, ref_mass = paged_prefill_attention.reference(q, kv, tables, cu_q, past, cos, sin,
+                                                      max(counts), 3)
+    out, mass = cpu_paged_attention(q, kv, tables, cu_q, past, cos, sin, 3)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
+
+
 def test_a_sliced_page_table_and_bfloat16_queries():
     """The cache passes a view of wider tables; a bfloat16 model's queries come back
     bfloat16."""
