@@ -122,20 +122,24 @@ class TaskRunner {
     return static_cast<const KV*>(data) + (s * p_.kv_heads + task_.kv_head) * dim();
   }
 
-  // block_[d * kBlock + j]: key t0 + j rotated to its position, transposed; zero past n.
+  // Key t0 + j rotated to its position, element d at block_[d * kBlock + j] (transposed,
+  // zero past n) or, with `Rows`, at block_[j * D + d] (one row per key).
+  template <bool Rows>
   void load_keys(int64_t t0, int64_t n) {
     const int64_t D = dim(), half = D / 2;
-    std::fill(block_, block_ + D * kBlock, 0.f);
+    const int64_t key_step = Rows ? D : 1, dim_step = Rows ? 1 : kBlock;
+    if (!Rows) std::fill(block_, block_ + D * kBlock, 0.f);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t t = t0 + j, s = slot(t);
       const KV* key = row_of(p_.k, s);
       const float ks = stored_scale(p_.k_scale, s);
       const float* c = p_.cos + t * half;
       const float* sn = p_.sin + t * half;
+      float* out = block_ + j * key_step;
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = to_float(key[i]) * ks, x2 = to_float(key[i + half]) * ks;
-        block_[i * kBlock + j] = x1 * c[i] - x2 * sn[i];
-        block_[(i + half) * kBlock + j] = x2 * c[i] + x1 * sn[i];
+        out[i * dim_step] = x1 * c[i] - x2 * sn[i];
+        out[(i + half) * dim_step] = x2 * c[i] + x1 * sn[i];
       }
     }
   }
@@ -152,30 +156,12 @@ class TaskRunner {
     }
   }
 
-  // block_[j * D + d]: key t0 + j rotated to its position, one row per key.
-  void load_key_rows(int64_t t0, int64_t n) {
-    const int64_t D = dim(), half = D / 2;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j, s = slot(t);
-      const KV* key = row_of(p_.k, s);
-      const float ks = stored_scale(p_.k_scale, s);
-      const float* c = p_.cos + t * half;
-      const float* sn = p_.sin + t * half;
-      float* row = block_ + j * D;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = to_float(key[i]) * ks, x2 = to_float(key[i + half]) * ks;
-        row[i] = x1 * c[i] - x2 * sn[i];
-        row[i + half] = x2 * c[i] + x1 * sn[i];
-      }
-    }
-  }
-
   // A task of a few rows (a decode step: one query token's group) scores each key as a row
-  // of dot products: transposing the block (`load_keys`) costs more than its rows save, and
-  // the next block's keys and this block's values are fetched while it is scored. SmolLM2's
-  // shapes, 2 threads, 30 layers, decode rows: 32 sequences x 524 keys float32 121 -> 68 ms,
-  // bfloat16 109 -> 53, int8 115 -> 54; 8 x 512 bfloat16 30 -> 13; 1 x 2048 float32 22 -> 10.
+  // of dot products: transposing the block (`load_keys<false>`) costs more than its rows
+  // save, and the next block's keys and this block's values are fetched while it is
+  // scored. SmolLM2's shapes, 2 threads, 30 layers, decode rows: 32 sequences x 524 keys
+  // float32 121 -> 68 ms, bfloat16 109 -> 53, int8 115 -> 54; 8 x 512 bfloat16 30 -> 13;
+  // 1 x 2048 float32 22 -> 10.
   // (Prefill chunks keep the transposed blocks; fetching ahead made them no faster.)
   void score_few_rows() {
     const int64_t D = dim();
@@ -183,7 +169,7 @@ class TaskRunner {
     for (int64_t t0 = 0; t0 < width_; t0 += kBlock) {
       const int64_t n = std::min(kBlock, width_ - t0);
       prefetch_rows(t0 + kBlock);
-      load_key_rows(t0, n);
+      load_keys<true>(t0, n);
       for (int64_t r = first_row(t0); r < rows_; ++r) {
         const float* query = p_.q + offset(r);
         float* out = scores_ + r * width_ + t0;
@@ -204,7 +190,7 @@ class TaskRunner {
     const int64_t D = dim();
     for (int64_t t0 = 0; t0 < width_; t0 += kBlock) {
       const int64_t n = std::min(kBlock, width_ - t0);
-      load_keys(t0, n);
+      load_keys<false>(t0, n);
       for (int64_t r = first_row(t0); r < rows_; r += kRows) {
         const float* q[kRows];
         for (int64_t i = 0; i < kRows; ++i) q[i] = p_.q + offset(std::min(r + i, rows_ - 1));
