@@ -121,11 +121,11 @@ void attend_all(const float* q, const KV* keys, const KV* values, const int64_t*
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kv_heads, h = i % kv_heads, length = lengths[b];
       const int64_t row = (b * heads + h * groups) * dim;
-      const int64_t store = (b * kv_heads + h) * capacity * dim;
+      const int64_t store = i * capacity * dim;  // (sequence b, KV head h)'s rows
       const KV* next_k = nullptr;
       int64_t next_length = 0;
-      if (i + 1 < end) {
-        next_k = keys + (i + 1) * capacity * dim;  // (sequence, KV head) i + 1's store
+      if (i + 1 < end) {  // the thread's next (sequence, KV head): the following store
+        next_k = keys + store + capacity * dim;
         next_length = lengths[(i + 1) / kv_heads];
       }
       scores.resize(groups * length);

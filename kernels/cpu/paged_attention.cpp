@@ -10,8 +10,8 @@
 // multiply-add per element. The scores stay in a buffer and are soft-maxed exactly over each
 // row's causal length (which also gives the exact attention mass), then the values are summed
 // block by block into per-row accumulators. A task of a few rows (decode) scores untransposed
-// rows instead (`score_few_rows`). Tasks are taken from a shared counter, longest
-// first, so causal chunks of unequal length keep every thread busy.
+// rows instead (`score_few_rows`). Tasks are taken from a shared counter, longest first, so
+// causal chunks of unequal length keep every thread busy.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -144,15 +144,12 @@ class TaskRunner {
     }
   }
 
-  // Asks for the key rows of the block from t0 and the value rows of the block before it
-  // (a thread reads its rows at a few GB/s: the arithmetic between reads would add to that).
-  void prefetch_rows(int64_t t0) const {
+  // Asks for the rows of `data` (keys or values) of the block from t0 (a thread reads its
+  // rows at a few GB/s: the arithmetic between reads would add to that).
+  void prefetch_block(const void* data, int64_t t0) const {
     const int64_t bytes = dim() * static_cast<int64_t>(sizeof(KV));
     for (int64_t t = t0; t < std::min(t0 + kBlock, width_); ++t) {
-      prefetch(row_of(p_.k, slot(t)), bytes);
-    }
-    for (int64_t t = std::max<int64_t>(t0 - kBlock, 0); t < std::min(t0, width_); ++t) {
-      prefetch(row_of(p_.v, slot(t)), bytes);
+      prefetch(row_of(data, slot(t)), bytes);
     }
   }
 
@@ -165,10 +162,11 @@ class TaskRunner {
   // (Prefill chunks keep the transposed blocks; fetching ahead made them no faster.)
   void score_few_rows() {
     const int64_t D = dim();
-    prefetch_rows(0);
+    prefetch_block(p_.k, 0);
     for (int64_t t0 = 0; t0 < width_; t0 += kBlock) {
       const int64_t n = std::min(kBlock, width_ - t0);
-      prefetch_rows(t0 + kBlock);
+      prefetch_block(p_.k, t0 + kBlock);
+      prefetch_block(p_.v, t0);
       load_keys<true>(t0, n);
       for (int64_t r = first_row(t0); r < rows_; ++r) {
         const float* query = p_.q + offset(r);
