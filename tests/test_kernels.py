@@ -173,6 +173,28 @@ def test_paged_prefill_attention_matches_reference(seed):
             torch.testing.assert_close(mass, want_mass, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_short_chunks_attend_as_the_fused_sdpa_path(seed, monkeypatch):
+    """The CPU path's products for short float32 chunks (questions) equal SDPA's batched
+    path, padded chunks, GQA groups and chunks without a past included."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, group, dim = rng.choice([(1, 1, 16), (2, 3, 32), (3, 3, 64)])
+    counts = [rng.randint(1, 40) for _ in range(rng.randint(1, 3))]
+    pasts = [rng.choice([0, rng.randint(1, 300)]) for _ in counts]
+    tables, slots = page_tables([c + p for c, p in zip(counts, pasts)], 2, gen)
+    pool = random_pool(slots, kv_heads, dim, torch.float32, gen)
+    q = torch.randn(sum(counts), kv_heads * group, dim, generator=gen)
+    cos, sin = rotary_tables(tables.shape[1] * PAGE, dim)
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    past = torch.tensor(pasts, dtype=torch.int32)
+    args = (q, pool, tables, cu, past, cos, sin, max(counts), None)
+    short, _ = paged_prefill_attention.reference(*args)
+    monkeypatch.setattr(paged_prefill_attention, "SHORT_CHUNK_ROWS", 0)
+    fused, _ = paged_prefill_attention.reference(*args)
+    torch.testing.assert_close(short, fused, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_window_mass_equals_dense_softmax_probabilities():
     gen = torch.Generator().manual_seed(3)
     counts, pasts, kv_heads, group, dim, window = [20, 3, 40], [17, 0, 33], 1, 8, 128, 8

@@ -190,29 +190,28 @@ class HostTier:
     def read(self, rec: TierLayer, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                   torch.Tensor]:
         """K, V (compute dtype, on the device) and records of the tokens of pages `index` of
-        `rec`, page after page."""
+        `rec`, in stream order (pages evicted at different times may interleave)."""
         counts = rec.counts[index]
         pages = torch.tensor([rec.pages[i] for i in index.tolist()], dtype=torch.int64)
-        offsets = torch.arange(self.page_size)
-        valid = offsets[None, :] < counts[:, None]
-        total = int(counts.sum())
-        token_pages = pages[:, None].expand(-1, self.page_size)[valid]
-        token_offsets = offsets[None, :].expand(len(pages), -1)[valid]
-        on_disk = token_pages >= self.host.capacity_pages
+        valid = (torch.arange(self.page_size)[None, :] < counts[:, None]).flatten()
+        meta = rec.meta[index].reshape(-1, rec.meta.shape[-1])
+        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()
+        if not bool(valid.all()):
+            meta, slots = meta[valid], slots[valid]
+        order = torch.argsort(meta[:, STREAM], stable=True)
+        meta, slots = meta[order], slots[order]
+        on_disk = slots >= self.host.capacity_pages * self.page_size
         if not bool(on_disk.any()):
-            k, v = self.host.read(token_pages * self.page_size + token_offsets,
-                                  self.compute_dtype)
+            k, v = self.host.read(slots, self.compute_dtype)
         else:
-            k = torch.empty(total, self.host.kv_heads, self.host.head_dim,
+            k = torch.empty(slots.numel(), self.host.kv_heads, self.host.head_dim,
                             dtype=self.compute_dtype)
             v = torch.empty_like(k)
-            for store, chosen, base in ((self.host, ~on_disk, 0),
-                                        (self.disk, on_disk, self.host.capacity_pages)):
+            base = self.host.capacity_pages * self.page_size
+            for store, chosen, offset in ((self.host, ~on_disk, 0), (self.disk, on_disk, base)):
                 if bool(chosen.any()):
-                    slots = (token_pages[chosen] - base) * self.page_size + token_offsets[chosen]
-                    k[chosen], v[chosen] = store.read(slots, self.compute_dtype)
-        self.stats.recall_bytes += total * self.page_bytes // self.page_size
-        meta = rec.meta[index][valid]
+                    k[chosen], v[chosen] = store.read(slots[chosen] - offset, self.compute_dtype)
+        self.stats.recall_bytes += slots.numel() * self.page_bytes // self.page_size
         return (k.to(self.device, non_blocking=self.pinned),
                 v.to(self.device, non_blocking=self.pinned), meta)
 

@@ -175,24 +175,29 @@ def attention_scale(head_dim: int) -> float:
 
 def insert_tokens(pool, kernels: KernelOps, rec, k: torch.Tensor, v: torch.Tensor,
                   meta: torch.Tensor) -> None:
-    """Put recalled tokens (K/V [m, kvh, D] unrotated, records [m, META_COLUMNS]) back into
-    the layer `rec` in stream order, on fresh pages of `pool`: the resident entries are copied
-    as stored, the recalled ones written like new tokens. The old pages are released (shared
-    ones stay with their other owner). Raises CacheFullError, changing nothing, when the pool
-    has too few free pages."""
+    """Put recalled tokens (K/V [m, kvh, D] unrotated, records [m, META_COLUMNS], both in
+    stream order) back into the layer `rec` in stream order, on fresh pages of `pool`: the
+    resident entries are copied as stored, the recalled ones written like new tokens. The old
+    pages are released (shared ones stay with their other owner). Raises CacheFullError,
+    changing nothing, when the pool has too few free pages."""
     n, m = rec.length, k.shape[0]
-    order = torch.argsort(torch.cat([rec.column(STREAM), meta[:, STREAM]]), stable=True)
+    resident_stream = rec.column(STREAM).contiguous()
+    recalled_stream = meta[:, STREAM].contiguous()
+    # both runs are in stream order: each token's place in the merged layer is its index in
+    # its own run plus how many of the other run go before it (resident first on a tie)
+    to_resident = torch.searchsorted(recalled_stream, resident_stream) + torch.arange(n)
+    to_recalled = torch.searchsorted(resident_stream, recalled_stream, right=True) + \
+        torch.arange(m)
     pages = pool.allocate(math.ceil((n + m) / pool.page_size))
     old_slots, old_pages = rec.slots(), rec.pages
     rec.set_pages(pages)
-    slots = rec.slot_table()[: n + m]
-    from_resident = order < n
+    slots = rec.slot_table()
     device = pool.paged_kv().k.device
-    pool.move_raw(old_slots[order[from_resident]].to(device), slots[from_resident].to(device))
-    new_rows = order[~from_resident] - n
-    kernels.kv_append(pool.paged_kv(), slots[~from_resident].to(device), k[new_rows.to(k.device)],
-                      v[new_rows.to(v.device)])
-    rec.replace_records(torch.cat([rec.meta[:n], meta])[order],
-                        torch.cat([rec.score[:n], rec.score.new_zeros(m)])[order.to(
-                            rec.score.device)])
+    pool.move_raw(old_slots.to(device), slots[to_resident].to(device))
+    kernels.kv_append(pool.paged_kv(), slots[to_recalled].to(device), k, v)
+    merged = meta.new_empty(n + m, meta.shape[1])
+    merged[to_resident], merged[to_recalled] = rec.meta[:n], meta
+    score = rec.score.new_zeros(n + m)
+    score[to_resident.to(score.device)] = rec.score[:n]
+    rec.replace_records(merged, score)
     pool.release(old_pages)
