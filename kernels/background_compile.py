@@ -15,7 +15,10 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,33 @@ class BackgroundCompiles:
             with self._lock:
                 self._pending.pop(kind, None)
             atexit.unregister(threading.current_thread().join)
+
+
+AutogradMode = tuple[bool, bool]  # (grad enabled, inference mode)
+
+
+def autograd_mode() -> AutogradMode:
+    """This thread's autograd mode. Dynamo guards on it: a graph compiled on a background
+    thread (grad on, by default) fails its guards when called under `inference_mode` and is
+    compiled again, on the caller's thread, stalling it (seconds). So the mode is part of a
+    compiled call's kind, and its compilation runs in it (`in_autograd_mode`)."""
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+@contextmanager
+def in_autograd_mode(mode: AutogradMode) -> Iterator[None]:
+    """Run the block (a compilation on its stand-ins) in `mode`."""
+    grad, inference = mode
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+        yield
+
+
+def stand_in(real: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`make()`, made an inference tensor where `real` is one: dynamo's guards tell the two
+    apart (their dispatch keys differ), so a stand-in of the other kind would make the first
+    real call compile again."""
+    with torch.inference_mode(real.is_inference()):
+        return make()
 
 
 def import_compiler_quietly() -> None:

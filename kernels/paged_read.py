@@ -17,7 +17,12 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.background_compile import BackgroundCompiles
+from kernels.background_compile import (
+    BackgroundCompiles,
+    autograd_mode,
+    in_autograd_mode,
+    stand_in,
+)
 from kernels.paged_kv import PagedKV
 from kernels.rotary import rotated
 
@@ -100,9 +105,11 @@ class PagedReader:
         function, (kv, slots, *_, dtype) = self._function, args
         if not self.compiled or slots.device.type != "cpu" or slots.numel() < COMPILED_MIN_TOKENS:
             return read_rotated(*args)
-        kind = (kv.k.dtype, dtype, kv.quantized, batch == 1, kv.kv_heads == 1, kv.head_dim)
+        inference = tuple(t.is_inference() for t in (kv.k, *args[1:5]))
+        kind = (kv.k.dtype, dtype, kv.quantized, batch == 1, kv.kv_heads == 1, kv.head_dim,
+                autograd_mode(), inference)
         if not self._compiles.is_ready(kind):
-            self._compiles.start(kind, lambda: _compile_kind(function, kind, kv, batch))
+            self._compiles.start(kind, lambda: _compile_kind(function, kind, args, batch))
             return read_rotated(*args)
         try:
             return function(*args)
@@ -111,13 +118,16 @@ class PagedReader:
             return read_rotated(*args)
 
 
-def _compile_kind(function: ReadFn, kind: tuple, kv: PagedKV, batch: int) -> None:
+def _compile_kind(function: ReadFn, kind: tuple, args: tuple, batch: int) -> None:
     """Compile one kind of read on stand-ins whose sizes share no value (dynamic shapes
-    would otherwise assume a coincidence holds)."""
-    dtype, half = kind[1], kv.head_dim // 2
-    stand_in = PagedKV.zeros(1013, kv.kv_heads, kv.head_dim, kv.k.dtype, kv.page_size)
-    rows = 2 if batch > 1 else 1
-    slots = torch.arange(rows * 263) % 1013
-    positions = torch.arange(263).repeat(rows)
-    cos, sin = torch.zeros(389, half), torch.zeros(389, half)  # distinct, as in use
-    function(stand_in, slots, positions, cos, sin, dtype)
+    would otherwise assume a coincidence holds), in the call's autograd mode, each an
+    inference tensor where the call's (`args`) is."""
+    kv, slots, positions, cos, sin, dtype = args
+    half, rows = kv.head_dim // 2, 2 if batch > 1 else 1
+    with in_autograd_mode(kind[-2]):
+        function(stand_in(kv.k, lambda: PagedKV.zeros(1013, kv.kv_heads, kv.head_dim,
+                                                      kv.k.dtype, kv.page_size)),
+                 stand_in(slots, lambda: torch.arange(rows * 263) % 1013),
+                 stand_in(positions, lambda: torch.arange(263).repeat(rows)),
+                 stand_in(cos, lambda: torch.zeros(389, half)),  # distinct tables, as in use
+                 stand_in(sin, lambda: torch.zeros(389, half)), dtype)

@@ -13,7 +13,7 @@ from kernels.rotary import apply_rotary
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.host_tier import _summaries
 from streamgrok.cache.paged_cache import PagedKVCache
-from streamgrok.cache.recall import choose_pages, score_pages
+from streamgrok.cache.recall import choose_pages, page_gains, score_pages
 from streamgrok.cache.tokens import STREAM
 from streamgrok.model.batch import BatchMetadata
 
@@ -195,14 +195,14 @@ def test_the_guard_recalls_more_only_below_its_threshold():
     score = torch.tensor([3.0, 2.0, 1.0, 0.0])
     # relative masses: the first page carries little, the rest much
     mass = torch.tensor([[0.01, 0.5, 0.5, 0.5]])
-    calm = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=1000,
+    calm = choose_pages(score, *page_gains(mass), counts, budget_tokens=16, cap_tokens=1000,
                         min_hit_rate=0.3)
     assert calm.index.tolist() == [0] and not calm.guard
-    strict = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=1000,
+    strict = choose_pages(score, *page_gains(mass), counts, budget_tokens=16, cap_tokens=1000,
                           min_hit_rate=0.95)
     assert strict.index.tolist() == [0, 1, 2, 3] and strict.guard
     assert strict.hit_rate == pytest.approx(1.0)
-    capped = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=40,
+    capped = choose_pages(score, *page_gains(mass), counts, budget_tokens=16, cap_tokens=40,
                           min_hit_rate=0.95)
     assert capped.index.tolist() == [0, 1] and capped.guard and capped.limited
     assert capped.hit_rate < 0.95
@@ -458,10 +458,10 @@ def test_the_guard_takes_pages_beyond_the_budget_by_what_they_add_to_the_hit_rat
     counts = torch.tensor([16, 16, 16, 16])
     score = torch.tensor([3.0, 2.0, 1.0, 0.0])  # the budget's page: the best bound
     mass = torch.tensor([[0.01, 0.1, 0.8, 0.3]])  # then the guard goes by mass: 2, 3, 1
-    budget_only = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=1000,
+    budget_only = choose_pages(score, *page_gains(mass), counts, budget_tokens=16, cap_tokens=1000,
                                min_hit_rate=0.0)
     assert budget_only.index.tolist() == [0]
-    some = choose_pages(score, mass, counts, budget_tokens=16, cap_tokens=1000,
+    some = choose_pages(score, *page_gains(mass), counts, budget_tokens=16, cap_tokens=1000,
                         min_hit_rate=0.9)
     assert some.index.tolist() == [0, 2, 3] and some.guard
     assert some.hit_rate == pytest.approx((1 + 0.01 + 0.8 + 0.3) / (1 + 1.21))

@@ -10,7 +10,7 @@ import torch
 from kernels.rotary import apply_rotary
 from streamgrok.cache.attention_plan import build_attention_plan, refresh_layer
 from streamgrok.cache.page_scorer import PageScorer, layer_page_scores
-from streamgrok.cache.recall import resident_lse, score_pages
+from streamgrok.cache.recall import page_gains, resident_lse, score_pages
 from streamgrok.cache.tokens import LayerTokens
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -56,9 +56,11 @@ SIZES = [(5, 40, 9), (1, 40, 9), (5, 1, 9), (5, 40, 1), (1, 1, 1), (19, 300, 60)
 def test_one_expression_scores_as_the_step_by_step_rule(rows, resident, pages):
     args = problem(rows, resident, pages, seed=rows + resident + pages)
     want_score, want_mass = step_by_step(*args)
-    score, mass = layer_page_scores(*args)
+    want_gain, want_base = page_gains(want_mass)
+    score, gain, base = layer_page_scores(*args)
     torch.testing.assert_close(score, want_score, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(gain, want_gain, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(base, want_base, rtol=1e-5, atol=1e-7)
 
 
 def test_compiled_scoring_equals_eager_for_every_size_kind():
@@ -83,6 +85,25 @@ def test_compiled_scoring_equals_eager_for_every_size_kind():
             for g, w in zip(scorer(*args), eager(*args)):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
     assert scorer.compiled
+
+
+def test_scoring_under_inference_mode_compiles_for_it_in_the_background():
+    """Recall's way: inside the model's inference-mode pass, the queries a strided view of a
+    wider projection. The background compilation matches that, so the first compiled call
+    does not compile again on the caller's thread."""
+    scorer = PageScorer(compiled=True)
+    q, positions, keys, *rest = problem(6, 90, 12, seed=3)  # the tier's summaries: made before
+    with torch.inference_mode():
+        wide = torch.cat([q, torch.zeros_like(q)], dim=1)  # q's rows strided, as in a pass
+        args = (wide[:, : q.shape[1]], positions.clone(), keys.clone(), *rest)
+        want = PageScorer(compiled=False)(*args)
+        scorer(*args)
+        assert scorer.wait_compiled(timeout=600)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got = scorer(*args)
+    assert scorer.compiled
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_the_environment_sets_whether_scoring_compiles_by_default(monkeypatch):

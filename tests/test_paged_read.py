@@ -74,6 +74,27 @@ def test_compiled_reads_equal_eager_reads(dtype, batch):
     torch.testing.assert_close(want[0], rotated)
 
 
+def test_reads_under_inference_mode_compile_for_it_in_the_background():
+    """The cache's way: a pool made outside inference mode, read inside it with slots made
+    there. The background compilation matches that (its mode, each input's kind), so the
+    first compiled read does not compile again on the caller's thread."""
+    gen = torch.Generator().manual_seed(5)
+    pages = -(-COMPILED_MIN_TOKENS // PAGE) + 2
+    kv = pool(torch.float32, (pages + 4) * PAGE, gen)
+    compiled = PagedReader(compiled=True)
+    with torch.inference_mode():
+        slots = table_slots(tables(1, pages, 4, gen), pages * PAGE, PAGE)
+        cos, sin = rotary(pages * PAGE + 5, 32)
+        want = PagedReader(compiled=False).read(kv, slots, cos, sin, torch.float32)
+        compiled.read(kv, slots, cos, sin, torch.float32)
+        assert compiled.wait_compiled(timeout=600)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got = compiled.read(kv, slots, cos, sin, torch.float32)
+    assert compiled.compiled, compiled.compile_error
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
 def test_a_failing_compilation_falls_back_to_eager_reads(caplog):
     gen = torch.Generator().manual_seed(7)
     kv = pool(torch.float32, 40 * PAGE, gen)

@@ -1,10 +1,12 @@
 """Recall's scoring of one layer's host pages as one expression, compiled on the CPU.
 
 Scoring a layer (`streamgrok.cache.recall`) rotates the question's queries, the resident keys
-and the page centers, takes the queries' log-sum-exp over the resident keys and bounds and
-estimates every page's attention. Run as separate eager calls per layer that was ~1.7 ms of
-a question's pass per layer on two cores (half of what recall costs there); as one expression
-it is ~0.7 ms eagerly and ~0.3 ms compiled by inductor, which fuses the rotations into the
+and the page centers, takes the queries' log-sum-exp over the resident keys, bounds and
+estimates every page's attention and sums what each page would add to the estimated hit rate
+(`page_gains`, so what leaves the expression is a few numbers per page). Run as separate
+eager calls that was ~1.7 ms of a question's pass per layer on two cores (half of what recall
+cost there); as one expression it is ~0.7 ms eagerly and ~0.3 ms compiled by inductor, which
+fuses the rotations into the
 products. `PageScorer` compiles it once on a background thread (`BackgroundCompiles`), with
 dynamic shapes, and runs it eagerly until then, where compilation is off
 (STREAMGROK_COMPILED_READS=0, as the paged reads) or off the CPU.
@@ -16,12 +18,18 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.background_compile import BackgroundCompiles
+from kernels.background_compile import (
+    AutogradMode,
+    BackgroundCompiles,
+    autograd_mode,
+    in_autograd_mode,
+    stand_in,
+)
 from kernels.paged_read import compiled_reads_by_default
 from kernels.rotary import rotated
-from streamgrok.cache.recall import causal_logits, score_pages
+from streamgrok.cache.recall import causal_logits, page_gains, score_pages
 
-ScoreFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ScoreFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -34,17 +42,20 @@ def _rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
 def layer_page_scores(q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                       centers: torch.Tensor, insert_at: torch.Tensor, radii: torch.Tensor,
                       plane_vars: torch.Tensor, counts: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`score_pages` for queries q [R, H, D] (unrotated, at cache positions [R]) against
-    resident keys [n, kvh, D] (unrotated, key i at cache position i) and host pages with
-    unrotated centers [P, kvh, D] taking positions `insert_at` [P]; cos/sin tables
-    [> every position, D/2]. Returns (page scores [P], estimated masses [R * H, P])."""
+                      sin: torch.Tensor, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`score_pages`, then `page_gains`, for queries q [R, H, D] (unrotated, at cache
+    positions [R]) against resident keys [n, kvh, D] (unrotated, key i at cache position i)
+    and host pages with unrotated centers [P, kvh, D] taking positions `insert_at` [P];
+    cos/sin tables [> every position, D/2]. Returns (page scores [P], each page's gain to
+    the estimated hit rate [P], that rate with no page taken [])."""
     q_rot = _rotate(q.float(), positions, cos, sin)
     k_rot = _rotate(keys.float(), torch.arange(keys.shape[0], device=keys.device), cos, sin)
     lse = torch.logsumexp(causal_logits(q_rot, k_rot, positions, scale), dim=-1)
     centers_rot = _rotate(centers.float(), insert_at, cos, sin)
-    return score_pages(q_rot, lse, centers_rot, radii.float(), plane_vars.float(), counts,
-                       scale)
+    score, mass = score_pages(q_rot, lse, centers_rot, radii.float(), plane_vars.float(),
+                              counts, scale)
+    return (score, *page_gains(mass))
 
 
 class PageScorer:
@@ -75,17 +86,21 @@ class PageScorer:
     def __call__(self, q: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                  centers: torch.Tensor, insert_at: torch.Tensor, radii: torch.Tensor,
                  plane_vars: torch.Tensor, counts: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        args = (q, positions, keys, centers, insert_at, radii, plane_vars, counts, cos, sin,
-                scale)
+                 sin: torch.Tensor, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # contiguous, as the stand-ins it compiles on (a strided view would fail their guards)
+        args = (*(t.contiguous() for t in (q, positions, keys, centers, insert_at, radii,
+                                           plane_vars, counts, cos, sin)), scale)
         function = self._function
         if not self.compiled or q.device.type != "cpu":
             return layer_page_scores(*args)
         # a size of 1 is specialized by the compiler: such calls are a kind of their own
         ones = (q.shape[0] == 1, keys.shape[0] == 1, centers.shape[0] == 1)
-        kind = (q.dtype, keys.dtype, centers.dtype, q.shape[1], keys.shape[1], q.shape[2], ones)
+        mode = autograd_mode()
+        kind = (q.dtype, keys.dtype, centers.dtype, q.shape[1], keys.shape[1], q.shape[2], ones,
+                mode, tuple(a.is_inference() for a in args[:-1]))
         if not self._compiles.is_ready(kind):
-            self._compiles.start(kind, lambda: _compile_kind(function, args, ones))
+            self._compiles.start(kind, lambda: _compile_kind(function, args, ones, mode))
             return layer_page_scores(*args)
         try:
             return function(*args)
@@ -94,20 +109,27 @@ class PageScorer:
             return layer_page_scores(*args)
 
 
-def _compile_kind(function: ScoreFn, args: tuple, ones: tuple[bool, bool, bool]) -> None:
+def _compile_kind(function: ScoreFn, args: tuple, ones: tuple[bool, bool, bool],
+                  mode: AutogradMode) -> None:
     """Compile on stand-ins of the call's kind whose sizes share no value with each other
-    (dynamic shapes would otherwise assume a coincidence holds), 1 where the call's is."""
+    (dynamic shapes would otherwise assume a coincidence holds), 1 where the call's is, in
+    the call's autograd mode, each an inference tensor where the call's is."""
     q, _, keys, centers, _, radii, plane_vars, counts, cos, sin, scale = args
     rows, resident, pages = (1 if one else size for one, size in zip(ones, (7, 263, 101)))
     table = 389
     heads, kv_heads, dim = q.shape[1], keys.shape[1], q.shape[2]
-    function(torch.zeros(rows, heads, dim, dtype=q.dtype),
-             torch.arange(resident - rows, resident).clamp(min=0),
-             torch.zeros(resident, kv_heads, dim, dtype=keys.dtype),
-             torch.zeros(pages, kv_heads, dim, dtype=centers.dtype),
-             torch.arange(pages) % resident,
-             torch.zeros(pages, kv_heads, dtype=radii.dtype),
-             torch.zeros(pages, kv_heads, dim // 2, dtype=plane_vars.dtype),
-             torch.full((pages,), 16, dtype=counts.dtype),
-             torch.zeros(table, dim // 2, dtype=cos.dtype),
-             torch.zeros(table, dim // 2, dtype=sin.dtype), scale)
+    made = (
+        torch.zeros(rows, heads, dim, dtype=q.dtype),
+        torch.arange(resident - rows, resident).clamp(min=0),
+        torch.zeros(resident, kv_heads, dim, dtype=keys.dtype),
+        torch.zeros(pages, kv_heads, dim, dtype=centers.dtype),
+        torch.arange(pages) % resident,
+        torch.zeros(pages, kv_heads, dtype=radii.dtype),
+        torch.zeros(pages, kv_heads, dim // 2, dtype=plane_vars.dtype),
+        torch.full((pages,), 16, dtype=counts.dtype),
+        torch.zeros(table, dim // 2, dtype=cos.dtype),
+        torch.zeros(table, dim // 2, dtype=sin.dtype),
+    )
+    with in_autograd_mode(mode):
+        function(*(stand_in(real, lambda made=made_one: made.clone())
+                   for real, made_one in zip(args, made)), scale)

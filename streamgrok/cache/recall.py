@@ -130,17 +130,26 @@ def score_pages(q_rot: torch.Tensor, lse: torch.Tensor, centers_rot: torch.Tenso
     return bound.amax(dim=(0, 1, 2)), mass.reshape(-1, centers_rot.shape[0])
 
 
-def choose_pages(score: torch.Tensor, mass: torch.Tensor, counts: torch.Tensor,
-                 budget_tokens: int, cap_tokens: int, min_hit_rate: float) -> PageChoice:
+def page_gains(mass: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From estimated masses [Q, P] (per query and head, relative to the resident mass): what
+    each page adds to the estimated hit rate [P], and that rate with no page taken (a scalar
+    tensor). A query's hit rate after taking pages S is (1 + their mass) / (1 + its total),
+    so the mean over queries is that base plus the gains of S summed. In float64: with every
+    page taken the rate must come out as 1, which a guard asked for 1 waits for."""
+    mass = mass.double()
+    weight = 1.0 / (1.0 + mass.sum(1, keepdim=True))
+    return (mass * weight).mean(0), weight.mean()
+
+
+def choose_pages(score: torch.Tensor, gain: torch.Tensor, base: torch.Tensor,
+                 counts: torch.Tensor, budget_tokens: int, cap_tokens: int,
+                 min_hit_rate: float) -> PageChoice:
     """Best-scored pages first, as many as fit `budget_tokens` (the pages where some head
-    may attend sharply); then, while the estimated hit rate is below `min_hit_rate`, more, in
-    the order of what each adds to that estimate, never past `cap_tokens` in all."""
-    # a query's hit rate after taking pages S is (1 + sum of their mass) / (1 + its total),
-    # so the mean over queries is a base plus a per-page gain summed over S: one cumulative
-    # sum over pages. Small arrays, many layers: numpy's per-call cost is a tenth of torch's.
-    mass_np = mass.detach().cpu().numpy().astype(np.float64)
-    weight = 1.0 / (1.0 + mass_np.sum(1, keepdims=True))
-    gain = (mass_np * weight).mean(0)  # what each page adds to the estimated hit rate
+    may attend sharply); then, while the estimated hit rate (`base` plus the `gain` of each
+    page taken, `page_gains`) is below `min_hit_rate`, more, those adding most first, never
+    past `cap_tokens` in all."""
+    # small arrays, many layers: numpy's per-call cost is a tenth of torch's
+    gain = gain.detach().cpu().numpy()
     sizes = counts.cpu().numpy()
     by_score = np.argsort(-score.detach().cpu().numpy(), kind="stable")
     within = int((np.cumsum(sizes[by_score]) <= budget_tokens).sum())
@@ -148,7 +157,7 @@ def choose_pages(score: torch.Tensor, mass: torch.Tensor, counts: torch.Tensor,
     rest[by_score[:within]] = False
     rest = np.flatnonzero(rest)
     order = np.concatenate([by_score[:within], rest[np.argsort(-gain[rest], kind="stable")]])
-    hit = weight.mean() + np.concatenate([[0.0], np.cumsum(gain[order])])  # after k pages
+    hit = float(base) + np.concatenate([[0.0], np.cumsum(gain[order])])  # after k pages
     capped = int((np.cumsum(sizes[order]) <= cap_tokens).sum())
     wanted = within
     guard = False

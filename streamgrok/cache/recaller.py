@@ -194,11 +194,11 @@ class Recaller:
         cos, sin = cache.rotary.tables(max(keys.shape[0], int(positions.max()) + 1))
         insert_at = torch.searchsorted(rec.column(STREAM)[:resident].contiguous(),
                                        tier_layer.first_stream().contiguous())
-        score, mass = self.scorer(q.to(cache.device), positions, keys, tier_layer.centers,
+        score, gain, base = self.scorer(q.to(cache.device), positions, keys, tier_layer.centers,
                                   insert_at.to(cache.device), tier_layer.radii,
                                   tier_layer.plane_vars, tier_layer.counts, cos, sin,
                                   attention_scale(cache.model_config.head_dim))
-        return choose_pages(score, mass, tier_layer.counts, budget, cap, min_hit_rate)
+        return choose_pages(score, gain, base, tier_layer.counts, budget, cap, min_hit_rate)
 
     def rotated(self, rec, resident: int, queries) -> tuple[torch.Tensor, ...]:
         """The queries (unrotated [R, H, D], cache positions [R]) and the first `resident`
