@@ -411,6 +411,7 @@ def test_bench_measures_an_exact_hit_rate_of_one_when_everything_comes_back(tiny
         forced_answer,
         full_answer,
         kl_top1,
+        question_times,
     )
     from streamgrok.cache.streaming import feed
 
@@ -436,6 +437,12 @@ def test_bench_measures_an_exact_hit_rate_of_one_when_everything_comes_back(tiny
     assert results["guard"][0] == pytest.approx(1.0)
     assert results["guard"][1].estimated_hit == pytest.approx(1.0)
     assert results["guard"][1].recalled > 0
+    # the timing: each kind of pass in turns on fresh forks, none left behind
+    times = question_times(model, {"full": (full, "off"), "guard": (cache, "guard")}, question,
+                           len(answer) + 1, rounds=2)
+    assert times["full"][0] > 0 and times["full"][1] == 0.0
+    assert times["guard"][0] >= times["guard"][1] > 0
+    assert set(full.sequences) == {0} and set(cache.sequences) == {0}
 
 
 def test_bench_long_stream_prints_each_row_as_it_is_measured(tiny_loaded, capsys):

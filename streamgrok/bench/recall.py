@@ -39,6 +39,8 @@ from streamgrok.model.loader import LoadedModel
 STREAM_KINDS = ("prose", "notes")
 # recall off; recall of the budget only (the guard off); recall with the guard (the default)
 MODES = {"off": None, "budget": 0.0, "guard": None}
+TTFT_ROUNDS = 7  # timed question passes of each kind, taking turns
+TIMING_FORK = 4  # the fork a timed question pass runs on (0: the stream)
 QUESTIONS = {
     "prose": "\n\nQuestion: What does the text above explain? Answer in one sentence.\nAnswer:",
     "notes": "\n\nQuestion: What did camera 2 see, and when?\nAnswer:",
@@ -115,9 +117,6 @@ class Answer:
     """One answer on a fork: its logits over the answer positions and what recall did."""
 
     logits: torch.Tensor  # [A, vocab], rows: the question's last token, answer[:-1]
-    seconds: float  # from the question's first token to the first answer token's logits
-    # (the median of a few passes)
-    recall_seconds: float = 0.0
     recalled: int = 0
     estimated_hit: float | None = None
     bytes_moved: int = 0
@@ -138,30 +137,40 @@ def _question_pass(model, cache: PagedKVCache, fork: int, question: list[int], r
 
 
 def forced_answer(model, cache: PagedKVCache, fork: int, question: list[int],
-                  answer: list[int], mode: str = "off", timing_passes: int = 3) -> Answer:
+                  answer: list[int], mode: str = "off") -> Answer:
     """The question on a fork of sequence 0 (recalling as it is prefilled, as the engine
-    does, when asked), then the answer tokens teacher-forced. The question's time is the
-    median of `timing_passes` passes, each on a fresh fork (one pass is noisy), after an
-    untimed one that starts what compiles in the background, which is then waited for."""
-    _question_pass(model, cache, fork, question, len(answer) + 1, mode)
-    cache.remove_sequence(fork)
-    wait_for_compiles(cache)
-    seconds = []
-    for _ in range(timing_passes - 1):
-        seconds.append(_question_pass(model, cache, fork, question, len(answer) + 1, mode)[2])
-        cache.remove_sequence(fork)
-    first, result, last = _question_pass(model, cache, fork, question, len(answer) + 1, mode)
-    seconds.append(last)
+    does, when asked), then the answer tokens teacher-forced. Untimed: `question_times`."""
+    first, result, _ = _question_pass(model, cache, fork, question, len(answer) + 1, mode)
     rest = prefill(model, cache, fork, answer[:-1], all_logits=True) if len(answer) > 1 else \
         first[:0]
     resident = [rec.column(STREAM).clone() for rec in cache.sequences[fork].layers]
     cache.remove_sequence(fork)
-    out = Answer(torch.cat([first[-1:], rest]).float(), statistics.median(seconds),
-                 resident=resident)
+    out = Answer(torch.cat([first[-1:], rest]).float(), resident=resident)
     if result is not None:
-        out.recall_seconds, out.recalled = result.seconds, result.tokens
-        out.estimated_hit, out.bytes_moved = result.hit_rate, result.bytes_moved
+        out.recalled, out.estimated_hit = result.tokens, result.hit_rate
+        out.bytes_moved = result.bytes_moved
     return out
+
+
+def question_times(model, passes: dict[str, tuple[PagedKVCache, str]], question: list[int],
+                   room: int, rounds: int = TTFT_ROUNDS) -> dict[str, tuple[float, float]]:
+    """Per kind of question pass (a cache and a recall mode), the median seconds from the
+    question's first token to the first answer token's logits and the median seconds of its
+    recall, each pass on a fresh fork. The kinds take turns, round after round, so a drift
+    in this machine's speed reaches all of them alike; one untimed round first, then the
+    compilations it started are waited for."""
+    times: dict[str, list[tuple[float, float]]] = {kind: [] for kind in passes}
+    for round_ in range(rounds + 1):
+        for kind, (cache, mode) in passes.items():
+            _, result, seconds = _question_pass(model, cache, TIMING_FORK, question, room, mode)
+            cache.remove_sequence(TIMING_FORK)
+            if round_:
+                times[kind].append((seconds, result.seconds if result is not None else 0.0))
+        if not round_:
+            for cache, _ in passes.values():
+                wait_for_compiles(cache)
+    return {kind: (statistics.median(t for t, _ in got), statistics.median(r for _, r in got))
+            for kind, got in times.items()}
 
 
 def wait_for_compiles(cache: PagedKVCache) -> None:
@@ -265,8 +274,6 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
             feed(model, full, 0, ids, chunk=options.chunk)
             answer, full_logits, probs = full_answer(model, full, 1, question,
                                                      options.answer_tokens)
-            full_ttft = forced_answer(model, full, 2, question, answer, "off").seconds
-            del full
             bar.update()
             first_answer = context + len(question)
             for fraction in options.fractions:
@@ -275,6 +282,8 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
                                     host_tier_gib=host_gib_for(loaded, context))
                 cache.add_sequence(0)
                 feed(model, cache, 0, ids, chunk=options.chunk)
+                passes = {"full": (full, "off"), **{mode: (cache, mode) for mode in MODES}}
+                times = question_times(model, passes, question, len(answer) + 1)
                 for mode in MODES:
                     got = forced_answer(model, cache, 3, question, answer, mode)
                     kl, top1 = kl_top1(full_logits, got.logits)
@@ -284,12 +293,13 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
                                                                     first_answer),
                         "estimated": got.estimated_hit, "kl": kl, "top1": top1,
                         "recalled": got.recalled / loaded.config.num_layers,
-                        "ttft_ms": got.seconds * 1e3, "recall_ms": got.recall_seconds * 1e3,
-                        "full_ttft_ms": full_ttft * 1e3, "bytes": got.bytes_moved,
+                        "ttft_ms": times[mode][0] * 1e3, "recall_ms": times[mode][1] * 1e3,
+                        "full_ttft_ms": times["full"][0] * 1e3, "bytes": got.bytes_moved,
                         "host_mib": cache.tier.used_bytes / 2**20,
                     })
                 del cache
                 bar.update()
+            del full
     bar.close()
     _print_fidelity(rows, options)
     return rows
@@ -301,7 +311,9 @@ def _print_fidelity(rows: list[dict], options: RecallBenchOptions) -> None:
           f"teacher-forced after a question; recall off, on with the budget only (budget: as "
           f"many tokens as the layer budget), or on with the hit-rate guard at 0.95 (guard); "
           f"hit = share of the full cache's attention on tokens resident in the answer "
-          f"(exact), est = recall's own estimate")
+          f"(exact), est = recall's own estimate; TTFT = question to first answer logits, "
+          f"median of {TTFT_ROUNDS} passes of each kind (full cache, off, budget, guard) "
+          f"taking turns on the same stream")
     print(f"{'stream':<6} {'context':>7} {'budget':>6} {'recall':>6} {'hit':>6} {'est':>6} "
           f"{'KL':>7} {'top-1':>6} {'recalled/layer':>14} {'TTFT ms':>8} {'recall ms':>9} "
           f"{'full TTFT':>9} {'MiB moved':>9} {'host MiB':>8}")
@@ -430,7 +442,7 @@ def long_stream(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
     for start in range(0, total, every):
         feed(model, cache, 0, ids[start : start + every], chunk=options.chunk)
         bar.update(min(every, total - start))
-        forced_answer(model, cache, 5, question, question[:4], "guard", timing_passes=1)
+        forced_answer(model, cache, 5, question, question[:4], "guard")
         row = (min(start + every, total), cache.pool.used_pages, cache.tier.used_bytes,
                cache.tier.stats.dropped_tokens, process.memory_info().rss)
         rows.append(row)
