@@ -25,8 +25,11 @@ from kernels.paged_read import PagedReader
 # A chunk of at most this many queries (a question, a short note) in float32 attends by two
 # matrix products with each KV head's query heads stacked, [G * m, D] x [D, n]: for 19 queries
 # over 2,000 keys that was ~1.0 ms against SDPA's ~1.3 (2 cores), whose flash kernel tiles
-# the few rows poorly. Longer chunks keep SDPA, which never holds the whole score matrix.
+# the few rows poorly. Longer chunks, and any chunk whose score matrix would pass
+# SHORT_CHUNK_SCORES floats (a question over a very long full cache), keep SDPA, which never
+# holds the whole matrix.
 SHORT_CHUNK_ROWS = 64
+SHORT_CHUNK_SCORES = 1 << 23  # 32 MiB of float32 scores
 
 if triton is not None:
     import triton.language as tl
@@ -112,7 +115,8 @@ def reference(
             out[lo:hi], mass[b, :total] = dense_chunk_attention(
                 q[lo:hi], k[b, :total], v[b, :total], starts[b], mass_window)
         return out, mass
-    if max_q <= SHORT_CHUNK_ROWS and q.dtype == torch.float32:
+    if max_q <= SHORT_CHUNK_ROWS and q.dtype == torch.float32 and \
+            max_q * q.shape[1] * width <= SHORT_CHUNK_SCORES:
         for b in range(batch):
             lo, hi = bounds[b], bounds[b + 1]
             if hi > lo:
