@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -90,21 +90,25 @@ class BackgroundCompiles:
             atexit.unregister(threading.current_thread().join)
 
 
-AutogradMode = tuple[bool, bool]  # (grad enabled, inference mode)
+# ((grad enabled, inference mode), which inputs are inference tensors)
+CallContext = tuple[tuple[bool, bool], tuple[bool, ...]]
 
 
-def autograd_mode() -> AutogradMode:
-    """This thread's autograd mode. Dynamo guards on it: a graph compiled on a background
-    thread (grad on, by default) fails its guards when called under `inference_mode` and is
-    compiled again, on the caller's thread, stalling it (seconds). So the mode is part of a
-    compiled call's kind, and its compilation runs in it (`in_autograd_mode`)."""
-    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+def call_context(inputs: Iterable[torch.Tensor]) -> CallContext:
+    """What dynamo's guards check of a call beyond its inputs' sizes and dtypes: this
+    thread's autograd mode and which inputs are inference tensors (their dispatch keys
+    differ). A graph compiled on a background thread (grad on, ordinary tensors, by default)
+    fails those guards when called inside `inference_mode` and is compiled again on the
+    caller's thread, stalling it (seconds). So the context is part of a compiled call's kind,
+    and its compilation runs in it (`in_autograd_mode`, `stand_in`)."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled()), \
+        tuple(t.is_inference() for t in inputs)
 
 
 @contextmanager
-def in_autograd_mode(mode: AutogradMode) -> Iterator[None]:
-    """Run the block (a compilation on its stand-ins) in `mode`."""
-    grad, inference = mode
+def in_autograd_mode(context: CallContext) -> Iterator[None]:
+    """Run the block (a compilation on its stand-ins) in the call's autograd mode."""
+    grad, inference = context[0]
     with torch.inference_mode(inference), torch.set_grad_enabled(grad):
         yield
 

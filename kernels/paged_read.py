@@ -19,7 +19,8 @@ import torch
 
 from kernels.background_compile import (
     BackgroundCompiles,
-    autograd_mode,
+    CallContext,
+    call_context,
     in_autograd_mode,
     stand_in,
 )
@@ -105,11 +106,11 @@ class PagedReader:
         function, (kv, slots, *_, dtype) = self._function, args
         if not self.compiled or slots.device.type != "cpu" or slots.numel() < COMPILED_MIN_TOKENS:
             return read_rotated(*args)
-        inference = tuple(t.is_inference() for t in (kv.k, *args[1:5]))
+        context = call_context((kv.k, *args[1:5]))
         kind = (kv.k.dtype, dtype, kv.quantized, batch == 1, kv.kv_heads == 1, kv.head_dim,
-                autograd_mode(), inference)
+                context)
         if not self._compiles.is_ready(kind):
-            self._compiles.start(kind, lambda: _compile_kind(function, kind, args, batch))
+            self._compiles.start(kind, lambda: _compile_kind(function, args, batch, context))
             return read_rotated(*args)
         try:
             return function(*args)
@@ -118,13 +119,13 @@ class PagedReader:
             return read_rotated(*args)
 
 
-def _compile_kind(function: ReadFn, kind: tuple, args: tuple, batch: int) -> None:
+def _compile_kind(function: ReadFn, args: tuple, batch: int, context: CallContext) -> None:
     """Compile one kind of read on stand-ins whose sizes share no value (dynamic shapes
     would otherwise assume a coincidence holds), in the call's autograd mode, each an
     inference tensor where the call's (`args`) is."""
     kv, slots, positions, cos, sin, dtype = args
     half, rows = kv.head_dim // 2, 2 if batch > 1 else 1
-    with in_autograd_mode(kind[-2]):
+    with in_autograd_mode(context):
         function(stand_in(kv.k, lambda: PagedKV.zeros(1013, kv.kv_heads, kv.head_dim,
                                                       kv.k.dtype, kv.page_size)),
                  stand_in(slots, lambda: torch.arange(rows * 263) % 1013),

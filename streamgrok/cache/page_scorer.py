@@ -6,10 +6,9 @@ estimates every page's attention and sums what each page would add to the estima
 (`page_gains`, so what leaves the expression is a few numbers per page). Run as separate
 eager calls that was ~1.7 ms of a question's pass per layer on two cores (half of what recall
 cost there); as one expression it is ~0.7 ms eagerly and ~0.3 ms compiled by inductor, which
-fuses the rotations into the
-products. `PageScorer` compiles it once on a background thread (`BackgroundCompiles`), with
-dynamic shapes, and runs it eagerly until then, where compilation is off
-(STREAMGROK_COMPILED_READS=0, as the paged reads) or off the CPU.
+fuses the rotations into the products. `PageScorer` compiles it once on a background thread
+(`BackgroundCompiles`), with dynamic shapes, and runs it eagerly until then, where compilation
+is off (STREAMGROK_COMPILED_READS=0, as the paged reads) or off the CPU.
 """
 
 from __future__ import annotations
@@ -19,9 +18,9 @@ from collections.abc import Callable
 import torch
 
 from kernels.background_compile import (
-    AutogradMode,
     BackgroundCompiles,
-    autograd_mode,
+    CallContext,
+    call_context,
     in_autograd_mode,
     stand_in,
 )
@@ -96,11 +95,11 @@ class PageScorer:
             return layer_page_scores(*args)
         # a size of 1 is specialized by the compiler: such calls are a kind of their own
         ones = (q.shape[0] == 1, keys.shape[0] == 1, centers.shape[0] == 1)
-        mode = autograd_mode()
+        context = call_context(args[:-1])
         kind = (q.dtype, keys.dtype, centers.dtype, q.shape[1], keys.shape[1], q.shape[2], ones,
-                mode, tuple(a.is_inference() for a in args[:-1]))
+                context)
         if not self._compiles.is_ready(kind):
-            self._compiles.start(kind, lambda: _compile_kind(function, args, ones, mode))
+            self._compiles.start(kind, lambda: _compile_kind(function, args, ones, context))
             return layer_page_scores(*args)
         try:
             return function(*args)
@@ -110,26 +109,24 @@ class PageScorer:
 
 
 def _compile_kind(function: ScoreFn, args: tuple, ones: tuple[bool, bool, bool],
-                  mode: AutogradMode) -> None:
+                  context: CallContext) -> None:
     """Compile on stand-ins of the call's kind whose sizes share no value with each other
     (dynamic shapes would otherwise assume a coincidence holds), 1 where the call's is, in
     the call's autograd mode, each an inference tensor where the call's is."""
-    q, _, keys, centers, _, radii, plane_vars, counts, cos, sin, scale = args
+    q, positions, keys, centers, insert_at, radii, plane_vars, counts, cos, sin, scale = args
     rows, resident, pages = (1 if one else size for one, size in zip(ones, (7, 263, 101)))
     table = 389
     heads, kv_heads, dim = q.shape[1], keys.shape[1], q.shape[2]
-    made = (
-        torch.zeros(rows, heads, dim, dtype=q.dtype),
-        torch.arange(resident - rows, resident).clamp(min=0),
-        torch.zeros(resident, kv_heads, dim, dtype=keys.dtype),
-        torch.zeros(pages, kv_heads, dim, dtype=centers.dtype),
-        torch.arange(pages) % resident,
-        torch.zeros(pages, kv_heads, dtype=radii.dtype),
-        torch.zeros(pages, kv_heads, dim // 2, dtype=plane_vars.dtype),
-        torch.full((pages,), 16, dtype=counts.dtype),
-        torch.zeros(table, dim // 2, dtype=cos.dtype),
-        torch.zeros(table, dim // 2, dtype=sin.dtype),
-    )
-    with in_autograd_mode(mode):
-        function(*(stand_in(real, lambda made=made_one: made.clone())
-                   for real, made_one in zip(args, made)), scale)
+    with in_autograd_mode(context):
+        function(
+            stand_in(q, lambda: torch.zeros(rows, heads, dim, dtype=q.dtype)),
+            stand_in(positions, lambda: torch.arange(resident - rows, resident).clamp(min=0)),
+            stand_in(keys, lambda: torch.zeros(resident, kv_heads, dim, dtype=keys.dtype)),
+            stand_in(centers, lambda: torch.zeros(pages, kv_heads, dim, dtype=centers.dtype)),
+            stand_in(insert_at, lambda: torch.arange(pages) % resident),
+            stand_in(radii, lambda: torch.zeros(pages, kv_heads, dtype=radii.dtype)),
+            stand_in(plane_vars,
+                     lambda: torch.zeros(pages, kv_heads, dim // 2, dtype=plane_vars.dtype)),
+            stand_in(counts, lambda: torch.full((pages,), 16, dtype=counts.dtype)),
+            stand_in(cos, lambda: torch.zeros(table, dim // 2, dtype=cos.dtype)),
+            stand_in(sin, lambda: torch.zeros(table, dim // 2, dtype=sin.dtype)), scale)
