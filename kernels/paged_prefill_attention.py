@@ -43,21 +43,22 @@ if triton is not None:
     )
 
 
-def short_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
-                          ) -> torch.Tensor:
-    """Queries q [m, H, D] at positions past..past+m-1 over k, v [past + m, kv_heads, D]
-    (rotated), causal within the chunk: out [m, H, D]. One score matrix per KV head, its
-    query heads stacked as rows."""
+def product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries q [m, H, D] at positions past..past+m-1 attend causally to k, v [>= past+m,
+    kv_heads, D] (rotated) by two matrix products per KV head, its query heads stacked as
+    rows. Returns out [m, H, D] and the probabilities [kv_heads, H / kv_heads, m, n]."""
     m, heads, dim = q.shape
-    kv_heads = k.shape[1]
+    n, kv_heads, _ = k.shape
     group = heads // kv_heads
     stacked = q.reshape(m, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(
         kv_heads, group * m, dim) * (1.0 / math.sqrt(dim))
-    scores = torch.bmm(stacked, k.permute(1, 2, 0))  # [kvh, G * m, past + m]
-    future = torch.ones(m, m, dtype=torch.bool, device=q.device).triu(1)
-    scores[:, :, past:].view(kv_heads, group, m, m).masked_fill_(future, float("-inf"))
-    out = torch.bmm(torch.softmax(scores, dim=-1), v.permute(1, 0, 2))  # [kvh, G * m, D]
-    return out.view(kv_heads, group, m, dim).permute(2, 0, 1, 3).reshape(m, heads, dim)
+    scores = torch.bmm(stacked, k.permute(1, 2, 0)).view(kv_heads, group, m, n)
+    allowed = torch.ones(m, n - past, dtype=torch.bool, device=q.device).tril()
+    scores[..., past:].masked_fill_(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs.view(kv_heads, group * m, n), v.permute(1, 0, 2))  # [kvh, G*m, D]
+    return out.view(kv_heads, group, m, dim).permute(2, 0, 1, 3).reshape(m, heads, dim), probs
 
 
 def dense_chunk_attention(
@@ -66,21 +67,18 @@ def dense_chunk_attention(
     """Queries q [m, H, D] at positions past..past+m-1 attend causally to k, v [>= past+m,
     kv_heads, D] (rotated). Returns out [m, H, D] and, when `mass_rows` is given, the mass
     [n] each key received from the last `mass_rows` queries, summed over heads."""
-    m, heads, dim = q.shape
-    n, kv_heads, _ = k.shape
-    causal = torch.ones(m, n, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    m = q.shape[0]
     if mass_rows is None:
+        causal = torch.ones(m, k.shape[0], dtype=torch.bool, device=q.device).tril(
+            diagonal=past)
         out = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=causal,
             enable_gqa=True,
         )
         return out.transpose(0, 1), None
-    qg = q.reshape(m, kv_heads, heads // kv_heads, dim).permute(1, 2, 0, 3)  # [kvh, g, m, d]
-    scores = (qg @ k.permute(1, 2, 0)[:, None]) / math.sqrt(dim)  # [kvh, g, m, n]
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-    out = probs @ v.transpose(0, 1)[:, None]
+    out, probs = product_attention(q, k, v, past)
     mass = probs[:, :, m - min(mass_rows, m):, :].sum(dim=(0, 1, 2))
-    return out.permute(2, 0, 1, 3).reshape(m, heads, dim), mass.float()
+    return out, mass.float()
 
 
 def reference(
@@ -120,8 +118,9 @@ def reference(
         for b in range(batch):
             lo, hi = bounds[b], bounds[b + 1]
             if hi > lo:
-                out[lo:hi] = short_chunk_attention(q[lo:hi], k[b, : starts[b] + hi - lo],
-                                                   v[b, : starts[b] + hi - lo], starts[b])
+                total = starts[b] + hi - lo
+                out[lo:hi] = product_attention(q[lo:hi], k[b, :total], v[b, :total],
+                                               starts[b])[0]
         return out, None
     offsets = torch.arange(max_q, device=q.device)
     counts = cu_q[1:] - cu_q[:-1]
