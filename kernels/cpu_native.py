@@ -1,7 +1,8 @@
 """The native CPU kernels (`kernels/cpu/*.cpp`): one extension, built on first use.
 
-The extension holds the attention kernels (`kernels.cpu_attention`) and the float sides of
-w8a8's integer matmuls (`kernels.cpu_int8`). It is built with PyTorch's C++ extension
+The extension holds the attention kernels (`kernels.cpu_attention`), the float sides of
+w8a8's integer matmuls (`kernels.cpu_int8`) and the int4 matmul of a few rows
+(`kernels.cpu_int4`). It is built with PyTorch's C++ extension
 builder (the C++ compiler inductor needs anyway), for this machine's instruction set (the
 build's name carries a hash of the sources and of the CPU's flags, so a cache shared between
 machines never runs code built for another), and its kernels are dispatcher ops under
@@ -29,7 +30,7 @@ from kernels.background_compile import BackgroundCompiles, import_compiler_quiet
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = tuple(SOURCE_DIR / name for name in (
-    "decode_attention.cpp", "paged_attention.cpp", "int8_rows.cpp"))
+    "decode_attention.cpp", "paged_attention.cpp", "int8_rows.cpp", "int4_linear.cpp"))
 HEADERS = (SOURCE_DIR / "attention_math.h",)
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _BUILD_LOCK = threading.Lock()  # one build and registration, whichever thread asks first
@@ -75,6 +76,7 @@ def _build_and_register() -> None:
     torch.library.register_fake("streamgrok_cpu::quantize_rows", _fake_quantize_rows)
     torch.library.register_fake("streamgrok_cpu::scale_products", _fake_scale_products)
     torch.library.register_fake("streamgrok_cpu::swiglu_quantize_rows", _fake_swiglu)
+    torch.library.register_fake("streamgrok_cpu::int4_linear", _fake_int4_linear)
 
 
 def _cpu_flags() -> str:
@@ -148,3 +150,8 @@ def _fake_swiglu(products: torch.Tensor, row_scales: torch.Tensor, col_scales: t
     rows, width = products.shape[0], products.shape[1] // 2
     return (products.new_empty((rows, width), dtype=torch.int8),
             products.new_empty((rows, 1), dtype=torch.float32))
+
+
+def _fake_int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                      portable: bool = False) -> torch.Tensor:
+    return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)

@@ -18,20 +18,24 @@ from streamgrok.model.compiled_decode import (
 )
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.loader import load_model
-from streamgrok.model.quantized import quantize_model
+from streamgrok.model.quantized import Int4Linear, quantize_model
 
 
-@pytest.fixture(scope="module", params=["f32", "q4", "w8a8", "f32 loops"])
+@pytest.fixture(scope="module", params=["f32", "q4", "q4 native", "w8a8", "f32 loops"])
 def compiled_model(request, tmp_path_factory):
     """A tiny model whose decode steps are compiled (once for the module's tests); its
-    attention by the native CPU kernel, or ("loops") by inductor's product-sum loops."""
-    weights, _, loops = request.param.partition(" ")
-    if weights == "w8a8":  # calibrated as it loads
-        path = write_gguf(tmp_path_factory.mktemp("w8a8") / "tiny.gguf",
-                          random_model(tiny_config()))
-        model = load_model(path, weights="w8a8").model
-    else:
-        model = quantize_model(random_model(tiny_config()), weights)
+    attention by the native CPU kernel, or ("loops") by inductor's product-sum loops; q4's
+    matmuls by PyTorch's int4 kernel, or ("native") by the native one."""
+    weights, _, variant = request.param.partition(" ")
+    loops = variant == "loops"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(NATIVE_ATTENTION_ENV, "1" if variant == "native" else "0")
+        if weights == "w8a8":  # calibrated as it loads
+            path = write_gguf(tmp_path_factory.mktemp("w8a8") / "tiny.gguf",
+                              random_model(tiny_config()))
+            model = load_model(path, weights="w8a8").model
+        else:
+            model = quantize_model(random_model(tiny_config()), weights)
     model.compiled_decode = CompiledDecode(enabled=True)
     cache = ContiguousKVCache(model.config, 1, 40)
     with pytest.MonkeyPatch.context() as patch:
@@ -42,6 +46,9 @@ def compiled_model(request, tmp_path_factory):
         decode = model.compiled_decode
         assert decode.wait_compiled(timeout=900), decode.compile_error
     assert decode.native_attention == (not loops)
+    if variant == "native":
+        layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+        assert layer.int4_matmul.in_use, "the native int4 kernel is off"
     return model, weights
 
 

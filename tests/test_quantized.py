@@ -52,9 +52,11 @@ def test_prefill_rows_multiply_by_the_dequantized_weight_like_the_kernel(kind, s
     prefill = quantized(x)
     kernel_rows = torch.cat([quantized(chunk) for chunk in x.split(7)])  # the packed kernel
     reference = torch.nn.functional.linear(x.bfloat16().float(), quantized.dequantized(), bias)
-    if kind is Int4Linear and quantized.unpacks:  # the kernel's weight, read back in bf16
-        torch.testing.assert_close(quantized._transposed(torch.float32).t(),
-                                   quantized.dequantized(), atol=1e-3, rtol=8e-3)
+    if kind is Int4Linear and quantized.unpacks:  # PyTorch's kernel reads it (in bfloat16)
+        eye = torch.eye(shape[1], dtype=torch.bfloat16)
+        read_back = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            eye, quantized.packed, 32, quantized.scales_and_zeros).t().float()
+        torch.testing.assert_close(quantized.dequantized(), read_back, atol=1e-3, rtol=8e-3)
     scale = reference.abs().max()
     assert prefill.shape == (len(x), shape[0]) and prefill.dtype == x.dtype
     assert (prefill - reference).abs().max() <= 0.01 * scale

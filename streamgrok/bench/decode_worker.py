@@ -22,7 +22,12 @@ from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.generate import Generator
 from streamgrok.model.loader import LoadedModel, load_model
-from streamgrok.model.quantized import cache_dtype, prefill_attention_dtype, wait_native_int8
+from streamgrok.model.quantized import (
+    cache_dtype,
+    prefill_attention_dtype,
+    wait_native_int4,
+    wait_native_int8,
+)
 from streamgrok.model.sampling import SamplingParams
 from streamgrok.runtime import configure_threads, resolve_dtype
 
@@ -72,6 +77,7 @@ def measure(spec: dict) -> dict:
                  "decode_read_mb": model.decode_read_bytes() / 1e6}
     out["compile_s"] = _compile_decode(loaded, kv_dtype)
     out["native_int8"] = wait_native_int8(model)
+    out["native_int4"] = wait_native_int4(model)
 
     prompt = torch.tensor(prompt_ids(loaded, spec["prompt_tokens"]))
     cache = _cache(loaded, 1, len(prompt), kv_dtype)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -40,6 +41,7 @@ from kernels.cpu_attention import (
 )
 from kernels.rotary import rotated
 from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.quantized import wait_native_int4
 
 if TYPE_CHECKING:
     from streamgrok.model.llama import Transformer
@@ -145,14 +147,16 @@ class CompiledDecode:
     one), both on one thread, and used once both are ready. A step the compiled graphs do
     not fit (their guards fail: another cache dtype, say) runs eagerly, counted
     (`eager_fallbacks`), with one warning; a failed compilation turns compiled decode off
-    for good (`compile_error`). The graphs live with `decode_graph`'s code, shared by the
-    models of a process, within dynamo's cache limit (8 graphs: four models)."""
+    for good (`compile_error`). Each instance compiles its own copy of `decode_graph`'s
+    code: dynamo keeps a code object's graphs within a limit (8), and past it runs the
+    function uncompiled without a word, so models sharing one code object (five in the test
+    suite) would run their steps uncompiled, counted as compiled."""
 
     def __init__(self, enabled: bool | None = None) -> None:
         """`enabled`: None follows `compiled_decode_by_default()`."""
         if enabled is None:
             enabled = compiled_decode_by_default()
-        self._function = torch.compile(decode_graph) \
+        self._function = torch.compile(_own_copy(decode_graph)) \
             if enabled and hasattr(torch, "compile") else None
         self._compiles = BackgroundCompiles("decode")
         self.native_attention = False  # whether the compiled steps attend by the native kernel
@@ -229,11 +233,18 @@ class CompiledDecode:
         like = backend.decode_like
         self.native_attention = native_attention_by_default() and \
             native_kernel_available(like.dtype)
+        wait_native_int4(model)  # the graphs call the kernel its int4 layers will use
         tokens, several = _stand_in_sizes(model)
         for batch in (1, several):
             ids, view = _stand_ins(model, like, batch, tokens)
             with torch.inference_mode():
                 function(model, ids, view, self.native_attention)
+
+
+def _own_copy(function: types.FunctionType) -> types.FunctionType:
+    """`function` with a code object of its own (dynamo keeps its graphs on the code)."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__,
+                              function.__name__, function.__defaults__, function.__closure__)
 
 
 _STEPS = "decode steps"  # the one kind: both graphs, one sequence and several

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.cpu_int4 import Int4Matmul
 from kernels.cpu_int8 import Int8Rows
 from streamgrok.errors import ModelLoadError
 from streamgrok.model.config import ModelConfig
@@ -139,6 +140,7 @@ class _PackedAsRead:
         self.int8_activations = int8_activations  # w8a8 layers
         # their activation quantization, native once built (one build for the model)
         self.int8_rows = Int8Rows() if int8_activations else None
+        self.int4_matmul = Int4Matmul()  # the int4 layers' native kernel (one build)
         self.parts: dict[str, list[str]] = {}  # fused module path -> the weights it joins
         if fuse:
             for i in range(num_layers):
@@ -157,13 +159,14 @@ class _PackedAsRead:
         if path is None:  # the output head keeps bfloat16 activations (see smoothing)
             self.layers[module] = rows.linear(
                 int8_activations=self.int8_activations and module != "output",
-                int8_rows=self.int8_rows)
+                int8_rows=self.int8_rows, int4_matmul=self.int4_matmul)
             return
         self.waiting[module] = rows
         if all(part in self.waiting for part in self.parts[path]):
             self.layers[path] = QuantizedRows.concat(
                 [self.waiting.pop(part) for part in self.parts[path]]).linear(
-                    int8_activations=self.int8_activations, int8_rows=self.int8_rows)
+                    int8_activations=self.int8_activations, int8_rows=self.int8_rows,
+                    int4_matmul=self.int4_matmul)
 
     def install(self, model: Transformer, state: dict[str, torch.Tensor]) -> None:
         """Put the packed layers (with their biases from `state`) where the meta linears

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_int4 import BLOCK as Q4_CPU_BLOCK
+from kernels.cpu_int4 import Int4Matmul, unpacked_transposed
 from kernels.cpu_int8 import Int8Rows
 from streamgrok.model.quantized_embedding import Int8Embedding
 from streamgrok.model.quantized_embedding import fits as embedding_fits
@@ -40,7 +42,6 @@ DEQUANTIZED_MIN_ROWS = 160
 # crossing near 4 rows: a compiled decode step's graph for several sequences is traced at a
 # batch of a few, and must take the path it will run at 8 or 32.
 WIDE_MIN_ROWS = 2
-_CPU_PACK_BLOCK = 64  # output rows per block of PyTorch's CPU int4 layout
 
 
 @dataclass
@@ -79,12 +80,13 @@ class QuantizedRows:
                              torch.cat([p.scales for p in parts]), zeros)
 
     def linear(self, bias: torch.Tensor | None = None, int8_activations: bool = False,
-               int8_rows: Int8Rows | None = None) -> nn.Module:
+               int8_rows: Int8Rows | None = None, int4_matmul: Int4Matmul | None = None
+               ) -> nn.Module:
         """The packed linear layer of these rows (q8 rows with `int8_activations`: w8a8,
-        quantizing activations with `int8_rows`)."""
+        quantizing activations with `int8_rows`; q4 rows multiplying by `int4_matmul`)."""
         if self.kind == "q8":
             return Int8Linear.from_rows(self, bias, int8_activations, int8_rows)
-        return Int4Linear.from_rows(self, bias)
+        return Int4Linear.from_rows(self, bias, int4_matmul)
 
 
 def _quantize_block(w: torch.Tensor, kind: str, values: torch.Tensor, scales: torch.Tensor,
@@ -202,28 +204,35 @@ class Int4Linear(nn.Module):
     zero per group: w = (q - 8) * scale + zero), packed for PyTorch's CPU int4 kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 cpu_kernel: bool | None = None) -> None:
+                 cpu_kernel: bool | None = None, int4_matmul: Int4Matmul | None = None
+                 ) -> None:
         """`cpu_kernel`: pack for PyTorch's CPU kernel (default: when the weight is on the
-        CPU), else keep two values a byte and dequantize per call."""
+        CPU), else keep two values a byte and dequantize per call; `int4_matmul`: the
+        native kernel's switch, shared by a model's int4 layers (default: PyTorch's
+        kernel)."""
         super().__init__()
         out_features, in_features = weight.shape
         if not fits_q4(out_features, in_features):
             raise ValueError(f"q4 needs input sizes divisible by {Q4_GROUP} and output sizes "
                              f"by 16, got {out_features}x{in_features}")
         self._set(QuantizedRows.of(weight, "q4"), bias,
-                  weight.device.type == "cpu" if cpu_kernel is None else cpu_kernel)
+                  weight.device.type == "cpu" if cpu_kernel is None else cpu_kernel,
+                  int4_matmul)
 
     @classmethod
-    def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None) -> Int4Linear:
+    def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None,
+                  int4_matmul: Int4Matmul | None = None) -> Int4Linear:
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._set(rows, bias, rows.values.device.type == "cpu")
+        layer._set(rows, bias, rows.values.device.type == "cpu", int4_matmul)
         return layer
 
-    def _set(self, rows: QuantizedRows, bias: torch.Tensor | None, cpu_kernel: bool) -> None:
+    def _set(self, rows: QuantizedRows, bias: torch.Tensor | None, cpu_kernel: bool,
+             int4_matmul: Int4Matmul | None) -> None:
         q = rows.values
         out_features, in_features = q.shape
         self.on_cpu = cpu_kernel
+        self.int4_matmul = int4_matmul or Int4Matmul(enabled=False)
         self.unpacks = False  # whether `_transposed` can read the packed layout
         if self.on_cpu:  # the layout PyTorch's CPU kernel reads
             packed = _pack_for_cpu(q)
@@ -252,26 +261,23 @@ class Int4Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T for the rows of a decode step or a short chunk: natively where the kernel
+        serves (its own layout check, `unpacks`, passed), else by PyTorch's kernel."""
+        if self.unpacks and self.int4_matmul.serves(x):
+            return self.int4_matmul.multiply(x, self.packed, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_and_zeros)
 
     def _transposed(self, dtype: torch.dtype) -> torch.Tensor:
-        """W^T [in, out] in `dtype`, unpacked from PyTorch's CPU layout (blocks of 64
-        output rows; a block is [in, 32] bytes, the low nibble of byte c holding row c and
-        the high one row c + 32), a temporary for one prefill matmul."""
-        blocks, groups = self.out_features // _CPU_PACK_BLOCK, self.in_features // Q4_GROUP
-        half = _CPU_PACK_BLOCK // 2
-        packed = self.packed.view(blocks, groups, Q4_GROUP, half)
-        levels = torch.cat([packed & 15, packed >> 4], dim=3)  # [blocks, groups, 32, 64]
-        scales_zeros = self.scales_and_zeros.view(groups, blocks, 1, _CPU_PACK_BLOCK, 2) \
-            .transpose(0, 1)
-        scales_zeros = scales_zeros.to(dtype)
-        weight = (levels.to(dtype) - 8) * scales_zeros[..., 0] + scales_zeros[..., 1]
-        return weight.permute(1, 2, 0, 3).reshape(self.in_features, self.out_features)
+        """W^T [in, out] in `dtype`, unpacked from PyTorch's CPU layout
+        (`kernels.cpu_int4.unpacked_transposed`), a temporary for one prefill matmul."""
+        return unpacked_transposed(self.packed, self.scales_and_zeros, dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight as the kernel sees it, [out, in] (on CPU read back through the kernel:
-        the packed layout is PyTorch's own)."""
+        """The weight as the kernels see it, [out, in] (on CPU unpacked where the layout is
+        as `_transposed` reads it, else read back through PyTorch's kernel)."""
+        if self.unpacks:
+            return self._transposed(torch.float32).t().to(dtype)
         if self.on_cpu:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             return self._kernel(eye).t().to(dtype)
@@ -348,17 +354,26 @@ def wait_native_int8(model: nn.Module, timeout: float | None = None) -> bool:
     return False
 
 
+def wait_native_int4(model: nn.Module, timeout: float | None = None) -> bool:
+    """Build the int4 layers' native kernel now if need be and wait (benchmarks, and compiled
+    decode before it traces); whether it is in use (False for other formats)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear) and module.unpacks:
+            return module.int4_matmul.wait_ready(timeout)
+    return False
+
+
 def _unpacks_exactly(packed: torch.Tensor, levels: torch.Tensor) -> bool:
     """Whether `packed` (PyTorch's CPU int4 layout of `levels` [out, in]) is laid out as
     `Int4Linear._transposed` reads it: checked on the first block of rows, since the
     layout is PyTorch's own and may change; output sizes that are not whole blocks are
     laid out otherwise and keep the kernel."""
     rows, in_features = levels.shape
-    if rows % _CPU_PACK_BLOCK:
+    if rows % Q4_CPU_BLOCK:
         return False
-    block = packed[:_CPU_PACK_BLOCK].reshape(in_features, _CPU_PACK_BLOCK // 2)
+    block = packed[:Q4_CPU_BLOCK].reshape(in_features, Q4_CPU_BLOCK // 2)
     unpacked = torch.cat([block & 15, block >> 4], dim=1).t()
-    return torch.equal(unpacked, levels[:_CPU_PACK_BLOCK].to(torch.uint8))
+    return torch.equal(unpacked, levels[:Q4_CPU_BLOCK].to(torch.uint8))
 
 
 def quantize_model(model: nn.Module, weights: str) -> nn.Module:
@@ -373,10 +388,12 @@ def quantize_model(model: nn.Module, weights: str) -> nn.Module:
                          "load it with load_model(path, weights='w8a8')")
     if weights in ("f32", "bf16"):
         return model
+    int4_matmul = Int4Matmul()  # one native build for the model's int4 layers
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, quantized_rows(child.weight, weights).linear(child.bias))
+                setattr(parent, name, quantized_rows(child.weight, weights).linear(
+                    child.bias, int4_matmul=int4_matmul))
     keep_wide_head(model)
     quantize_embedding(model)
     return model

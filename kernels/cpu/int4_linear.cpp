@@ -1,0 +1,301 @@
+// x W^T for a few rows of x and an int4 weight in PyTorch's CPU int4 layout (the layout of
+// _weight_int4pack_mm_for_cpu; see kernels/cpu_int4.py for the contract and the reference).
+//
+// A decode step reads every weight once for one row (or a few); PyTorch's kernel converts
+// each weight to a float before multiplying and ran at 7-13 GB/s here, under the ~22 GB/s the
+// cores read. This one multiplies integers: each group of 32 activations is quantized to
+// int8 levels plus int8 levels of what they left over (x ~ d * (a + b / 254), a precision
+// near 1e-5 of the group's peak, finer than the bfloat16 activations PyTorch's kernel takes),
+// and AVX-512 VNNI sums four level products per instruction straight from the weights'
+// nibbles, which VBMI's byte permutes turn from the layout's [k][64 rows] order into the
+// [rows][4 k] order the instruction reads. Elsewhere a portable loop does the same
+// arithmetic (the integer sums are exact, so both give the same products).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "attention_math.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define STREAMGROK_INT4_VNNI 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // output rows per block of the layout
+constexpr int64_t kGroup = 32;  // input channels per scale/zero (and per activation scale)
+constexpr float kResidualSteps = 254.f;  // a level step's worth of leftover in residual levels
+
+// The layout: block j of output rows 64j..64j+63 is [in][32] bytes; byte c of input k holds
+// row c in its low nibble and row c + 32 in its high one. Scales and zeros are
+// [in / 32][out][2] bfloat16; a weight is (level - 8) * scale + zero.
+
+// Each group of 32 activations of each row: int8 levels `coarse` and `fine` with
+// x ~ step * (coarse + fine / 254), and the group's exact float sum (the zeros and the -8
+// multiply it).
+struct QuantizedRows {
+  int64_t width = 0, groups = 0;
+  std::vector<int8_t> coarse, fine;
+  std::vector<float> step, sum;
+
+  QuantizedRows(const float* x, int64_t rows, int64_t width_)
+      : width(width_), groups(width_ / kGroup), coarse(rows * width_), fine(rows * width_),
+        step(rows * groups), sum(rows * groups) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; ++g) quantize_group(x + r * width + g * kGroup, r, g);
+  }
+
+  void quantize_group(const float* v, int64_t row, int64_t g) {
+    float peak = 0.f, total = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      peak = std::max(peak, std::fabs(v[i]));
+      total += v[i];
+    }
+    const float d = peak > 0.f ? peak / 127.f : 1.f;
+    const int64_t at = row * width + g * kGroup;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const float level = std::nearbyint(v[i] / d);
+      coarse[at + i] = static_cast<int8_t>(level);
+      const float rest = std::nearbyint((v[i] - level * d) / d * kResidualSteps);
+      fine[at + i] = static_cast<int8_t>(std::clamp(rest, -127.f, 127.f));
+    }
+    step[row * groups + g] = d;
+    sum[row * groups + g] = total;
+  }
+};
+
+inline float bfloat16_bits_to_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// One group's 64 results of one row, from its integer sums: what the row's group adds.
+inline float group_result(int32_t coarse_sum, int32_t fine_sum, float step, float sum,
+                          float scale, float zero) {
+  const float products = static_cast<float>(coarse_sum) * step +
+                         static_cast<float>(fine_sum) * (step / kResidualSteps) - 8.f * sum;
+  return scale * products + zero * sum;
+}
+
+// Portable: block `block`'s 64 outputs of every row.
+void block_portable(const QuantizedRows& x, int64_t rows, const uint8_t* weights,
+                    const uint16_t* scales_zeros, int64_t out_features, int64_t block,
+                    float* out) {
+  const int64_t width = x.width, first = block * kBlock;
+  std::vector<int32_t> coarse(kBlock), fine(kBlock);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::vector<float> result(kBlock, 0.f);
+    for (int64_t g = 0; g < x.groups; ++g) {
+      std::fill(coarse.begin(), coarse.end(), 0);
+      std::fill(fine.begin(), fine.end(), 0);
+      for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) {
+        const uint8_t* bytes = weights + k * (kBlock / 2);
+        const int32_t a = x.coarse[r * width + k], b = x.fine[r * width + k];
+        for (int64_t c = 0; c < kBlock / 2; ++c) {
+          const int32_t low = bytes[c] & 15, high = bytes[c] >> 4;
+          coarse[c] += low * a;
+          fine[c] += low * b;
+          coarse[c + kBlock / 2] += high * a;
+          fine[c + kBlock / 2] += high * b;
+        }
+      }
+      const uint16_t* pairs = scales_zeros + (g * out_features + first) * 2;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const float scale = bfloat16_bits_to_float(static_cast<uint32_t>(pairs[2 * j]) << 16);
+        const float zero = bfloat16_bits_to_float(static_cast<uint32_t>(pairs[2 * j + 1]) << 16);
+        result[j] += group_result(coarse[j], fine[j], x.step[r * x.groups + g],
+                                  x.sum[r * x.groups + g], scale, zero);
+      }
+    }
+    std::memcpy(out + r * out_features + first, result.data(), sizeof(float) * kBlock);
+  }
+}
+
+#ifdef STREAMGROK_INT4_VNNI
+
+// Byte permutes that take two vectors of [2 k][32 bytes] (k..k+3) to [16 rows][4 k] levels:
+// `kFirstRows` the rows 0-15 of the 32 a vector's nibbles hold, `kLastRows` rows 16-31.
+struct Permutes {
+  __m512i first_rows, last_rows;
+  Permutes() {
+    alignas(64) uint8_t first[64], last[64];
+    for (int j = 0; j < 16; ++j)
+      for (int k = 0; k < 4; ++k) {
+        first[4 * j + k] = static_cast<uint8_t>(32 * k + j);
+        last[4 * j + k] = static_cast<uint8_t>(32 * k + 16 + j);
+      }
+    first_rows = _mm512_load_si512(first);
+    last_rows = _mm512_load_si512(last);
+  }
+};
+
+constexpr int kSteps = kGroup / 4;  // four inputs a step (a VNNI product sums four)
+constexpr int64_t kGroupBytes = kGroup * (kBlock / 2);  // a block's weights of one group
+// Groups fetched ahead of their use: a core streams a few GB/s of weights on its own; asked
+// for ahead, the two cores read at nearer their shared rate (SmolLM2's 121 matmuls of one
+// row, alternating runs: 1.0-1.4x faster, noisy).
+constexpr int64_t kGroupsAhead = 2;
+
+// A group's 32 x 64 levels as kSteps x 4 vectors of [16 rows][4 k]: rows 0-15, 16-31 (low
+// nibbles), 32-47, 48-63 (high nibbles).
+inline void group_levels(const uint8_t* bytes, const Permutes& permutes, __m512i* levels) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int s = 0; s < kSteps; ++s, bytes += 4 * (kBlock / 2)) {
+    const __m512i first = _mm512_loadu_si512(bytes), second = _mm512_loadu_si512(bytes + 64);
+    const __m512i low0 = _mm512_and_si512(first, nibble), low1 = _mm512_and_si512(second, nibble);
+    const __m512i high0 = _mm512_and_si512(_mm512_srli_epi16(first, 4), nibble);
+    const __m512i high1 = _mm512_and_si512(_mm512_srli_epi16(second, 4), nibble);
+    levels[4 * s + 0] = _mm512_permutex2var_epi8(low0, permutes.first_rows, low1);
+    levels[4 * s + 1] = _mm512_permutex2var_epi8(low0, permutes.last_rows, low1);
+    levels[4 * s + 2] = _mm512_permutex2var_epi8(high0, permutes.first_rows, high1);
+    levels[4 * s + 3] = _mm512_permutex2var_epi8(high0, permutes.last_rows, high1);
+  }
+}
+
+inline __m512i broadcast_four(const int8_t* levels) {
+  int32_t four;
+  std::memcpy(&four, levels, sizeof(four));
+  return _mm512_set1_epi32(four);
+}
+
+// `R` rows' sums over one group, added to their results [rows][64].
+template <int R>
+inline void rows_of_group(const QuantizedRows& x, int64_t row, int64_t g, const __m512i* levels,
+                          const __m512* scales, const __m512* zeros, float* results) {
+  __m512i coarse[R][4], fine[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < 4; ++p) coarse[r][p] = fine[r][p] = _mm512_setzero_si512();
+  for (int s = 0; s < kSteps; ++s)
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row + r) * x.width + g * kGroup + 4 * s;
+      const __m512i a = broadcast_four(x.coarse.data() + at), b = broadcast_four(x.fine.data() + at);
+      for (int p = 0; p < 4; ++p) {
+        coarse[r][p] = _mm512_dpbusd_epi32(coarse[r][p], levels[4 * s + p], a);
+        fine[r][p] = _mm512_dpbusd_epi32(fine[r][p], levels[4 * s + p], b);
+      }
+    }
+  for (int r = 0; r < R; ++r) {
+    const float step = x.step[(row + r) * x.groups + g], sum = x.sum[(row + r) * x.groups + g];
+    const __m512 d = _mm512_set1_ps(step), fine_d = _mm512_set1_ps(step / kResidualSteps);
+    const __m512 total = _mm512_set1_ps(sum), eight_total = _mm512_set1_ps(8.f * sum);
+    float* result = results + (row + r) * kBlock;
+    for (int p = 0; p < 4; ++p) {
+      __m512 products = _mm512_mul_ps(_mm512_cvtepi32_ps(coarse[r][p]), d);
+      products = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fine[r][p]), fine_d, products);
+      products = _mm512_sub_ps(products, eight_total);
+      __m512 out = _mm512_loadu_ps(result + 16 * p);
+      out = _mm512_fmadd_ps(scales[p], products, out);
+      out = _mm512_fmadd_ps(zeros[p], total, out);
+      _mm512_storeu_ps(result + 16 * p, out);
+    }
+  }
+}
+
+// Block `block`'s 64 outputs of every row: each group's levels permuted once, then every
+// row's sums over them, two rows at a time (their accumulators fill the registers).
+void block_vnni(const QuantizedRows& x, int64_t rows, const uint8_t* weights,
+                const uint16_t* scales_zeros, int64_t out_features, int64_t block,
+                const Permutes& permutes, float* results, float* out) {
+  const int64_t first = block * kBlock;
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  std::fill(results, results + rows * kBlock, 0.f);
+  __m512i levels[4 * kSteps];
+  for (int64_t g = 0; g < x.groups; ++g) {
+    // the weights ahead run on into the next block's (a thread's blocks are consecutive)
+    streamgrok_cpu::prefetch(weights + (g + kGroupsAhead) * kGroupBytes, kGroupBytes);
+    if (g + kGroupsAhead < x.groups)
+      streamgrok_cpu::prefetch(scales_zeros + ((g + kGroupsAhead) * out_features + first) * 2,
+                               kBlock * 2 * sizeof(uint16_t));
+    group_levels(weights + g * kGroupBytes, permutes, levels);
+    // a (scale, zero) pair is one 32-bit word: scale in the low half, zero in the high one
+    const uint16_t* pairs = scales_zeros + (g * out_features + first) * 2;
+    __m512 scales[4], zeros[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m512i words = _mm512_loadu_si512(pairs + 32 * p);
+      scales[p] = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+      zeros[p] = _mm512_castsi512_ps(_mm512_and_si512(words, high_half));
+    }
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) rows_of_group<2>(x, r, g, levels, scales, zeros, results);
+    for (; r < rows; ++r) rows_of_group<1>(x, r, g, levels, scales, zeros, results);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(out + r * out_features + first, results + r * kBlock, sizeof(float) * kBlock);
+}
+
+#endif
+
+bool vectorized() {
+#ifdef STREAMGROK_INT4_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& scales_and_zeros, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "int4_linear: x must be a 2-d float32 CPU tensor, got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t rows = x.size(0), width = x.size(1), out_features = packed.size(0);
+  TORCH_CHECK(width % kGroup == 0 && out_features % kBlock == 0,
+              "int4_linear: needs input sizes divisible by ", kGroup, " and output sizes by ",
+              kBlock, ", got ", out_features, "x", width);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte &&
+                  packed.size(1) == width / 2,
+              "int4_linear: packed must be uint8 [", out_features, ", ", width / 2, "], got ",
+              packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 &&
+                  scales_and_zeros.sizes() ==
+                      at::IntArrayRef({width / kGroup, out_features, 2}),
+              "int4_linear: scales_and_zeros must be bfloat16 [", width / kGroup, ", ",
+              out_features, ", 2], got ", scales_and_zeros.scalar_type(), " ",
+              scales_and_zeros.sizes());
+  const at::Tensor input = x.contiguous(), weights = packed.contiguous();
+  const at::Tensor pairs = scales_and_zeros.contiguous();
+  const QuantizedRows quantized(input.data_ptr<float>(), rows, width);
+  at::Tensor out = at::empty({rows, out_features}, input.options());
+  const uint8_t* w = weights.data_ptr<uint8_t>();
+  const uint16_t* sz = reinterpret_cast<const uint16_t*>(pairs.data_ptr<at::BFloat16>());
+  float* o = out.data_ptr<float>();
+  const int64_t block_bytes = kBlock * (width / 2);
+#ifdef STREAMGROK_INT4_VNNI
+  if (!portable) {
+    const Permutes permutes;
+    at::parallel_for(0, out_features / kBlock, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> results(rows * kBlock);
+      for (int64_t block = begin; block < end; ++block)
+        block_vnni(quantized, rows, w + block * block_bytes, sz, out_features, block, permutes,
+                   results.data(), o);
+    });
+    return out;
+  }
+#endif
+  at::parallel_for(0, out_features / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block)
+      block_portable(quantized, rows, w + block * block_bytes, sz, out_features, block, o);
+  });
+  return out;
+}
+
+bool int4_linear_vectorized() { return vectorized(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(streamgrok_cpu, m) {
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, bool portable=False)"
+        " -> Tensor");
+  m.def("int4_linear_vectorized() -> bool", &int4_linear_vectorized);
+}
+
+TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) { m.impl("int4_linear", &int4_linear); }

@@ -1,0 +1,122 @@
+"""The native int4 matmul of a few rows (`kernels/cpu/int4_linear.cpp`) against the float
+product with the weight it reads, within the precision of its activation levels; its
+portable loop against its vectorized one; an int4 layer with it and without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import random_model, tiny_config
+
+from kernels.cpu_int4 import GROUP, Int4Matmul, int4_linear_reference, unpacked_transposed
+from kernels.cpu_native import NATIVE_ATTENTION_ENV
+from streamgrok.model.quantized import Int4Linear, quantize_model, wait_native_int4
+
+
+@pytest.fixture(scope="module")
+def native() -> Int4Matmul:
+    matmul = Int4Matmul(enabled=True)
+    matmul.wait_ready()
+    assert matmul.native.error is None, f"the native kernels did not build: {matmul.native.error}"
+    return matmul
+
+
+def int4_layer(out_features: int, in_features: int, seed: int,
+               matmul: Int4Matmul | None = None) -> Int4Linear:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+    weight[:, :GROUP] += 0.1  # a group whose zero is far from 0
+    layer = Int4Linear(weight, None, int4_matmul=matmul)
+    assert layer.unpacks
+    return layer
+
+
+def activation_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Rows of very different ranges, a row of zeros and a group of zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * torch.logspace(-3, 2, rows)[:, None]
+    x[0] = 0.0
+    x[-1, GROUP:2 * GROUP] = 0.0
+    return x
+
+
+def level_error_bound(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
+    """The most the kernel may differ from the exact product: each activation within
+    1/508 of its group's level step (peak / 127), times the weights' magnitudes, plus
+    float32 rounding."""
+    peaks = x.view(x.shape[0], -1, GROUP).abs().amax(-1, keepdim=True)
+    step_error = (peaks / 127 / 508).expand(-1, -1, GROUP).reshape(x.shape)
+    weights = unpacked_transposed(layer.packed, layer.scales_and_zeros).double()
+    exact_scale = (x.double().abs() @ weights.abs())
+    return step_error.double() @ weights.abs() * 1.01 + exact_scale * 1e-5 + 1e-6
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 64, 32), (1, 192, 576), (2, 128, 96), (3, 64, 1536),
+                          (17, 320, 64)])
+def test_products_equal_the_float_product_within_the_activation_levels(
+        native, rows, out_features, in_features):
+    layer = int4_layer(out_features, in_features, seed=rows)
+    x = activation_rows(rows, in_features, seed=out_features)
+    exact = x.double() @ unpacked_transposed(layer.packed, layer.scales_and_zeros).double()
+    bound = level_error_bound(x, layer)
+    for portable in (False, True):
+        got = torch.ops.streamgrok_cpu.int4_linear(x, layer.packed, layer.scales_and_zeros,
+                                                   portable)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        assert ((got.double() - exact).abs() <= bound).all(), f"portable={portable}"
+        assert torch.equal(got[0], torch.zeros(out_features))  # zero rows give zeros
+
+
+def test_the_portable_loop_gives_the_vectorized_products(native):
+    layer = int4_layer(256, 192, seed=4)
+    x = activation_rows(5, 192, seed=5)
+    vectorized = torch.ops.streamgrok_cpu.int4_linear(x, layer.packed, layer.scales_and_zeros)
+    portable = torch.ops.streamgrok_cpu.int4_linear(x, layer.packed, layer.scales_and_zeros,
+                                                    True)
+    torch.testing.assert_close(vectorized, portable, atol=1e-5, rtol=1e-5)
+
+
+def test_non_contiguous_rows_are_read_as_their_values(native):
+    layer = int4_layer(64, 64, seed=6)
+    x = torch.randn(64, 3).t()  # [3, 64], strided
+    torch.testing.assert_close(
+        torch.ops.streamgrok_cpu.int4_linear(x, layer.packed, layer.scales_and_zeros),
+        torch.ops.streamgrok_cpu.int4_linear(x.contiguous(), layer.packed,
+                                             layer.scales_and_zeros))
+
+
+def test_bad_operands_get_clear_errors(native):
+    layer = int4_layer(64, 64, seed=7)
+    with pytest.raises(RuntimeError, match="x must be a 2-d float32"):
+        torch.ops.streamgrok_cpu.int4_linear(torch.randn(2, 64).double(), layer.packed,
+                                             layer.scales_and_zeros)
+    with pytest.raises(RuntimeError, match="packed must be uint8"):
+        torch.ops.streamgrok_cpu.int4_linear(torch.randn(2, 128), layer.packed,
+                                             layer.scales_and_zeros)
+    with pytest.raises(RuntimeError, match="divisible"):
+        torch.ops.streamgrok_cpu.int4_linear(torch.randn(2, 40), layer.packed,
+                                             layer.scales_and_zeros)
+
+
+def test_an_int4_layer_multiplies_natively_once_built(native):
+    fast, reference = int4_layer(192, 96, seed=8, matmul=native), int4_layer(192, 96, seed=8)
+    x = activation_rows(4, 96, seed=9)
+    if not native.in_use:
+        pytest.skip("this CPU lacks AVX-512 VNNI/VBMI: int4 layers keep PyTorch's kernel")
+    assert not reference.int4_matmul.serves(x)  # off unless a model's loader turns it on
+    got, want = fast(x), reference(x)
+    exact = int4_linear_reference(x, fast.packed, fast.scales_and_zeros)
+    assert ((got.double() - exact.double()).abs() <= level_error_bound(x, fast)).all()
+    # PyTorch's kernel rounds activations to bfloat16: the native products are closer
+    assert (got - exact).abs().max() < (want - exact).abs().max()
+
+
+def test_a_q4_model_shares_one_native_switch(monkeypatch):
+    monkeypatch.setenv(NATIVE_ATTENTION_ENV, "1")
+    model = quantize_model(random_model(tiny_config()), "q4")
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len({id(layer.int4_matmul) for layer in layers}) == 1
+    assert wait_native_int4(model) == layers[0].int4_matmul.in_use
+    monkeypatch.setenv(NATIVE_ATTENTION_ENV, "0")
+    assert not wait_native_int4(quantize_model(random_model(tiny_config()), "q4"))
