@@ -12,8 +12,8 @@ The native kernel (`kernels/cpu/int4_linear.cpp`, built with the other native CP
 `kernels.cpu_native`) reads the same layout and multiplies integers: each group of 32
 activations becomes int8 levels plus int8 levels of their remainder (x ~ d * (a + b / 254),
 within ~1e-5 of the group's peak: PyTorch's kernel rounds activations to bfloat16, ~4e-3), and
-AVX-512 VNNI sums the level products. The 30 layers' matmuls of one decode row, SmolLM2 q4, 2
-threads: 7.0 -> 4.8 ms (1.5x; 1.3-1.6x from 2 to 128 rows). Where the machine lacks VNNI or
+AVX-512 VNNI sums the level products. SmolLM2 q4's 121 matmuls of one decode row, 2 threads:
+4.8 -> 3.1 ms (8 rows 15.6 -> 10.7; 1.3-1.6x up to 128 rows). Where the machine lacks VNNI or
 VBMI the kernel's portable loop is slower than PyTorch's, so `Int4Matmul` keeps PyTorch's.
 """
 
