@@ -9,9 +9,11 @@ import torch
 from helpers import tiny_config
 
 from kernels.ops import KernelOps
+from kernels.paged_read import COMPILED_MIN_TOKENS
 from kernels.rotary import apply_rotary
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.host_tier import _summaries
+from streamgrok.cache.page_scorer import layer_page_scores
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.recall import choose_pages, page_gains, score_pages
 from streamgrok.cache.tokens import STREAM
@@ -284,6 +286,54 @@ def test_recall_without_a_tier_or_captured_queries_does_nothing():
     lengths = tier.layer_lengths(1)
     assert tier.recall(1).tokens == 0
     assert tier.layer_lengths(1) == lengths
+
+
+class RecordingScorer:
+    """Recall's scorer as if it compiled (the suite runs it eagerly), recording each call's
+    number of query rows."""
+
+    compiled = True
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, q, *args):
+        self.calls.append(q.shape[0])
+        return layer_page_scores(q, *args)
+
+
+def test_streaming_rehearses_a_questions_scoring_and_long_read_once(monkeypatch):
+    """So that their compilations run mid-stream, not with the first question that recalls;
+    the stream and the question's recall are as they would be without it."""
+    cache, reference = tiered(), tiered()
+    scorer = cache.recaller.scorer = RecordingScorer()
+    reads: list[tuple[int, ...]] = []
+    read = cache.kernels.paged_reader.read
+    monkeypatch.setattr(cache.kernels.paged_reader, "read",
+                        lambda kv, slots, *rest: reads.append(tuple(slots.shape))
+                        or read(kv, slots, *rest))
+    stream(cache)
+    stream(reference)
+    assert len(scorer.calls) == 1 and scorer.calls[0] > 1  # a question's kind: several rows
+    assert (1, COMPILED_MIN_TOKENS) in reads
+    assert cache.layer_lengths(0) == reference.layer_lengths(0)
+    assert cache.tier.used_pages == reference.tier.used_pages
+    want, got = append(reference, 0, 5, seed=50), append(cache, 0, 5, seed=50)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b)
+    recalled, expected = ask(cache), ask(reference)
+    assert recalled.layer_tokens == expected.layer_tokens
+    assert len(scorer.calls) == 1 + CFG.num_layers  # the question's own, no second rehearsal
+
+
+def test_no_rehearsal_without_a_compiling_scorer_or_a_tier():
+    cache = tiered()  # the suite's scorer runs eagerly (STREAMGROK_COMPILED_READS=0)
+    stream(cache)
+    assert not cache.recaller.rehearsal_due
+    full = full_cache()
+    full.recaller.scorer = RecordingScorer()
+    stream(full)
+    assert not full.recaller.scorer.calls and not full.recaller.rehearsal_due
 
 
 def test_config_rejects_a_tier_without_eviction():

@@ -376,6 +376,8 @@ class PagedKVCache:
         plan: AttentionPlan = batch.backend_state
         if self.recaller.active:
             plan = batch.backend_state = self.recaller.before_attention(layer, q, k, plan)
+        elif self.recaller.rehearsal_due:
+            self.recaller.rehearse(layer, q, plan)
         kv = self.pool.paged_kv()
         self.kernels.kv_append(kv, plan.new_slots[layer], k, v)
         out = torch.empty_like(q)
