@@ -10,7 +10,14 @@ from helpers import random_model, tiny_config
 
 from kernels.cpu_int4 import GROUP, Int4Matmul, int4_linear_reference, unpacked_transposed
 from kernels.cpu_native import NATIVE_ATTENTION_ENV
-from streamgrok.model.quantized import Int4Linear, quantize_model, wait_native_int4
+from streamgrok.model.quantized import (
+    DEQUANTIZED_MIN_ROWS,
+    NATIVE_INT4_DEQUANTIZED_MIN_ROWS,
+    Int4Linear,
+    prefill_dtype,
+    quantize_model,
+    wait_native_int4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +127,18 @@ def test_a_q4_model_shares_one_native_switch(monkeypatch):
     assert wait_native_int4(model) == layers[0].int4_matmul.in_use
     monkeypatch.setenv(NATIVE_ATTENTION_ENV, "0")
     assert not wait_native_int4(quantize_model(random_model(tiny_config()), "q4"))
+
+
+def test_native_layers_keep_their_kernel_for_longer_chunks(native):
+    """The native kernel stays faster than dequantizing the weight up to a longer chunk than
+    PyTorch's kernel does: a chunk between the two thresholds multiplies natively."""
+    if not native.in_use:
+        pytest.skip("this CPU lacks AVX-512 VNNI/VBMI: int4 layers keep PyTorch's kernel")
+    layer = int4_layer(128, 64, seed=10, matmul=native)
+    x = activation_rows((DEQUANTIZED_MIN_ROWS + NATIVE_INT4_DEQUANTIZED_MIN_ROWS) // 2, 64,
+                        seed=11)
+    exact = int4_linear_reference(x, layer.packed, layer.scales_and_zeros).double()
+    assert ((layer(x).double() - exact).abs() <= level_error_bound(x, layer)).all()
+    longer = activation_rows(NATIVE_INT4_DEQUANTIZED_MIN_ROWS, 64, seed=12)
+    dequantized = torch.matmul(longer.to(prefill_dtype()), layer._transposed(prefill_dtype()))
+    torch.testing.assert_close(layer(longer), dequantized.float())

@@ -35,6 +35,10 @@ QUANTIZE_BLOCK_ELEMENTS = 1 << 21  # weights quantized per block of rows (8 MB o
 # instead of the packed kernels, which are built for a few rows: 3072x576 at 512 rows,
 # 2 threads, int4 kernel 12.0 ms, dequantize + bfloat16 matmul 4.7 ms; they cross near 150.
 DEQUANTIZED_MIN_ROWS = 160
+# The same crossing for int4 layers on the native kernel (`kernels.cpu_int4`), which is
+# faster than PyTorch's: SmolLM2's 121 matmuls, 2 threads, native vs dequantized, 128 rows
+# 118 vs 270 ms, 192 rows 214 vs 387, 256 rows 230 vs 284, 320 rows 347 vs 363.
+NATIVE_INT4_DEQUANTIZED_MIN_ROWS = 256
 # A layer that keeps a bfloat16 copy (`Int8Linear.keep_wide`: the output head) multiplies by
 # it from this many rows: the weight-only int8 kernel dequantizes the whole weight for every
 # few rows (SmolLM2's 49152x576 head, 2 threads, AMX: 1 row 1.0 ms vs bfloat16 2.1 ms,
@@ -249,9 +253,14 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
-        if self.unpacks and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
+        native = self.unpacks and self.int4_matmul.serves(flat)
+        dequantized_from = NATIVE_INT4_DEQUANTIZED_MIN_ROWS if native else DEQUANTIZED_MIN_ROWS
+        if self.unpacks and flat.shape[0] >= dequantized_from:
             dtype = prefill_dtype()
             out = torch.matmul(flat.to(dtype), self._transposed(dtype)).to(x.dtype)
+        elif native:  # the layout check (`unpacks`) passed: the native kernel reads it
+            out = self.int4_matmul.multiply(flat, self.packed, self.scales_and_zeros)
+            out = out.to(x.dtype)
         elif self.on_cpu:
             out = self._kernel(flat).to(x.dtype)
         else:
@@ -261,10 +270,7 @@ class Int4Linear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T for the rows of a decode step or a short chunk: natively where the kernel
-        serves (its own layout check, `unpacks`, passed), else by PyTorch's kernel."""
-        if self.unpacks and self.int4_matmul.serves(x):
-            return self.int4_matmul.multiply(x, self.packed, self.scales_and_zeros)
+        """x W^T by PyTorch's int4 kernel (bfloat16 activations)."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, Q4_GROUP, self.scales_and_zeros)
 
