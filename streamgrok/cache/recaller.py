@@ -114,8 +114,10 @@ class Recaller:
 
     @property
     def rehearsal_due(self) -> bool:
-        """Whether `rehearse` still has work: the scorer compiles, and has not been called."""
-        return not self._rehearsed and self.cache.tier is not None and self.scorer.compiled
+        """Whether `rehearse` still has work: a CPU cache whose scorer compiles (elsewhere
+        nothing is compiled) and has not been called."""
+        return (not self._rehearsed and self.cache.tier is not None and self.scorer.compiled
+                and self.cache.device.type == "cpu")
 
     def rehearse(self, layer: int, q: torch.Tensor, plan: AttentionPlan) -> None:
         """Score host pages once with a streamed chunk's queries in place of a question's,
