@@ -326,6 +326,16 @@ def test_streaming_rehearses_a_questions_scoring_and_long_read_once(monkeypatch)
     assert len(scorer.calls) == 1 + CFG.num_layers  # the question's own, no second rehearsal
 
 
+def test_the_rehearsal_comes_with_the_streams_second_chunk_before_any_eviction():
+    cache = tiered()
+    scorer = cache.recaller.scorer = RecordingScorer()
+    cache.add_sequence(0)
+    append(cache, 0, 24, seed=0)
+    assert not scorer.calls  # nothing resident to score against yet
+    append(cache, 0, 24, seed=1)
+    assert len(scorer.calls) == 1 and cache.tier.used_pages == 0
+
+
 def test_no_rehearsal_without_a_compiling_scorer_or_a_tier():
     cache = tiered()  # the suite's scorer runs eagerly (STREAMGROK_COMPILED_READS=0)
     stream(cache)

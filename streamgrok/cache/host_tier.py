@@ -270,6 +270,18 @@ def _oldest(rec: TierLayer, among: torch.Tensor, count: int) -> torch.Tensor:
     return torch.argsort(first, stable=True)[: min(count, int(among.sum()))]
 
 
+def stand_in_layer(keys: torch.Tensor, page_size: int) -> TierLayer:
+    """A tier layer of two one-token pages holding the first two of `keys` [n >= 2,
+    kv_heads, D], with their summaries: the sizes and dtypes of a real one, for recall's
+    rehearsal (`Recaller.rehearse`) before any page has left the working set."""
+    counts = torch.ones(2, dtype=torch.int64)
+    centers, radii, plane_vars = _summaries(keys[:2].float(), counts.to(keys.device), page_size)
+    meta = torch.zeros(2, 1, META_COLUMNS, dtype=torch.float64)
+    meta[:, 0, STREAM] = torch.arange(2, dtype=torch.float64)
+    return TierLayer(pages=[0, 1], counts=counts, meta=meta, centers=centers, radii=radii,
+                     plane_vars=plane_vars)
+
+
 def _summaries(k: torch.Tensor, counts: torch.Tensor, page_size: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per page of `page_size` consecutive tokens of k [n, kv_heads, D]: the mean key, the

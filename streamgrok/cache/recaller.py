@@ -21,6 +21,7 @@ import torch
 
 from kernels.paged_read import COMPILED_MIN_TOKENS
 from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, refresh_layer
+from streamgrok.cache.host_tier import stand_in_layer
 from streamgrok.cache.page_scorer import PageScorer
 from streamgrok.cache.recall import (
     PageChoice,
@@ -120,28 +121,28 @@ class Recaller:
                 and self.cache.device.type == "cpu")
 
     def rehearse(self, layer: int, q: torch.Tensor, plan: AttentionPlan) -> None:
-        """Score host pages once with a streamed chunk's queries in place of a question's,
-        the result unused, so that the scorer's compilation (seconds, on a background
-        thread) starts mid-stream instead of with the first question that recalls: a
-        compilation under way holds the interpreter's lock for most of its time, and the
-        model thread, which takes that lock back after every operator, ran that question's
-        pass ~10x slower (a live demo's first recalling question: TTFT 3.9 s against 0.3 s
-        with compiled scoring off). The same tensors, dtypes and autograd mode as a question
-        (a chunk of several tokens, the engine's thread) make the same kind of call."""
+        """Score two stand-in host pages (`stand_in_layer`: the chunk's sequence's first keys)
+        once with a streamed chunk's queries in place of a question's, the result unused, so
+        that the scorer's compilation (seconds, on a background thread) starts with the
+        stream instead of with the first question that recalls: a compilation under way
+        holds the interpreter's lock for most of its time, and the model thread, which takes
+        that lock back after every operator, ran that question's pass ~10x slower (a live
+        demo's first recalling question: TTFT 3.9 s against 0.3 s with compiled scoring
+        off). The same dtypes, sizes and autograd mode as a question's call (a chunk of
+        several tokens, the engine's thread) make the same kind of call."""
         cache = self.cache
         for seq_id, row, count in plan.spans:
-            seq = cache.sequences[seq_id]
-            tier_layer = cache.tier.layer(seq.tier_source, layer) if self._has_tier(seq) \
-                else None
             resident = plan.starts[seq_id][layer]
-            if count < 2 or resident < 2 or tier_layer is None or tier_layer.num_pages < 2:
+            if count < 2 or resident < 2:
                 continue
+            rec = cache.sequences[seq_id].layers[layer]
+            keys, _ = cache.pool.read(rec.slots(0, 2).to(cache.device))
             keep = cache.config.recall_queries
             positions = torch.arange(resident, resident + count, device=q.device)[-keep:]
-            self.choose(seq.layers[layer], resident, tier_layer,
+            self.choose(rec, resident, stand_in_layer(keys, cache.config.page_size),
                         (q[row : row + count][-keep:], positions), budget=0, cap=0,
                         min_hit_rate=0.0)
-            self._rehearse_long_read(seq.layers[layer], resident, q.dtype)
+            self._rehearse_long_read(rec, resident, q.dtype)
             self._rehearsed = True
             return
 
