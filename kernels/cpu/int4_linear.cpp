@@ -72,12 +72,6 @@ struct QuantizedRows {
   }
 };
 
-inline float bfloat16_bits_to_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
 // One group's 64 results of one row, from its integer sums: what the row's group adds.
 inline float group_result(int32_t coarse_sum, int32_t fine_sum, float step, float sum,
                           float scale, float zero) {
@@ -110,10 +104,9 @@ void block_portable(const QuantizedRows& x, int64_t rows, const uint8_t* weights
       }
       const uint16_t* pairs = scales_zeros + (g * out_features + first) * 2;
       for (int64_t j = 0; j < kBlock; ++j) {
-        const float scale = bfloat16_bits_to_float(static_cast<uint32_t>(pairs[2 * j]) << 16);
-        const float zero = bfloat16_bits_to_float(static_cast<uint32_t>(pairs[2 * j + 1]) << 16);
         result[j] += group_result(coarse[j], fine[j], x.step[r * x.groups + g],
-                                  x.sum[r * x.groups + g], scale, zero);
+                                  x.sum[r * x.groups + g], streamgrok_cpu::to_float(pairs[2 * j]),
+                                  streamgrok_cpu::to_float(pairs[2 * j + 1]));
       }
     }
     std::memcpy(out + r * out_features + first, result.data(), sizeof(float) * kBlock);
@@ -123,7 +116,7 @@ void block_portable(const QuantizedRows& x, int64_t rows, const uint8_t* weights
 #ifdef STREAMGROK_INT4_VNNI
 
 // Byte permutes that take two vectors of [2 k][32 bytes] (k..k+3) to [16 rows][4 k] levels:
-// `kFirstRows` the rows 0-15 of the 32 a vector's nibbles hold, `kLastRows` rows 16-31.
+// `first_rows` the rows 0-15 of the 32 a vector's nibbles hold, `last_rows` rows 16-31.
 struct Permutes {
   __m512i first_rows, last_rows;
   Permutes() {
@@ -234,14 +227,6 @@ void block_vnni(const QuantizedRows& x, int64_t rows, const uint8_t* weights,
 
 #endif
 
-bool vectorized() {
-#ifdef STREAMGROK_INT4_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
-
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& scales_and_zeros, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
@@ -288,7 +273,13 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
-bool int4_linear_vectorized() { return vectorized(); }
+bool int4_linear_vectorized() {
+#ifdef STREAMGROK_INT4_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 

@@ -148,8 +148,8 @@ class Recaller:
 
     def _rehearse_long_read(self, rec, resident: int, dtype: torch.dtype) -> None:
         """Read one sequence's keys as a question's attention over recalled pages will (more
-        tokens than the paged reader compiles for), so that kind of read compiles mid-stream
-        too: a stream whose budget stays under that length never reads so many."""
+        tokens than the paged reader compiles for), so that kind of read compiles with the
+        stream too: a stream whose budget stays under that length never reads so many."""
         cache = self.cache
         width = COMPILED_MIN_TOKENS
         slots = rec.slots(0, resident).to(cache.device).repeat(width // resident + 1)[:width]
