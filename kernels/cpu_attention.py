@@ -34,7 +34,7 @@ from kernels.cpu_native import (
 )
 from kernels.paged_kv import PagedKV
 
-KV_DTYPES = (torch.float32, torch.bfloat16)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 PAGED_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
@@ -46,19 +46,30 @@ def native_attention_by_default() -> bool:
 
 
 def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                               lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D]; keys, values [B, KVH, capacity, D]; row b attends to the positions below
-    lengths[b] (H a multiple of KVH: query head h reads KV head h // (H / KVH)); out
-    [B, H, D] float32."""
+                               lengths: torch.Tensor, scale: float,
+                               key_scales: torch.Tensor | None = None,
+                               value_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D]; keys, values [B, KVH, capacity, D] (int8 with their row scales
+    key_scales, value_scales [B, KVH, capacity]: a value is int8 * scale); row b attends to
+    the positions below lengths[b] (H a multiple of KVH: query head h reads KV head
+    h // (H / KVH)); out [B, H, D] float32."""
     batch, heads, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    k = keys.float().repeat_interleave(group, dim=1)
-    v = values.float().repeat_interleave(group, dim=1)
+    k = dequantized(keys, key_scales).repeat_interleave(group, dim=1)
+    v = dequantized(values, value_scales).repeat_interleave(group, dim=1)
     scores = torch.einsum("bhd,bhtd->bht", q.float(), k) * scale
     visible = torch.arange(keys.shape[2], device=q.device)[None, :] < lengths[:, None]
     weights = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(-1)
     return torch.einsum("bht,bhtd->bhd", weights, v)
+
+
+def dequantized(stored: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Stored K or V [..., D] as float32: int8 times its row's scale [...], floats as they
+    are."""
+    if scales is None:
+        return stored.float()
+    return stored.float() * scales.float()[..., None]
 
 
 def native_kernel_available(kv_dtype: torch.dtype) -> bool:
@@ -74,10 +85,14 @@ def native_kernel_available(kv_dtype: torch.dtype) -> bool:
 
 
 def cpu_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """`decode_attention_reference`'s contract (q float32; K/V float32 or bfloat16, CPU),
-    by the native kernel; call `native_kernel_available` first (which loads it)."""
-    return torch.ops.streamgrok_cpu.decode_attention(q, keys, values, lengths, scale)
+                         lengths: torch.Tensor, scale: float,
+                         key_scales: torch.Tensor | None = None,
+                         value_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """`decode_attention_reference`'s contract (q float32; K/V float32, bfloat16 or int8
+    with float16 scales, CPU), by the native kernel; call `native_kernel_available` first
+    (which loads it)."""
+    return torch.ops.streamgrok_cpu.decode_attention(q, keys, values, lengths, scale,
+                                                     key_scales, value_scales)
 
 
 class NativePagedAttention(NativeBuild):

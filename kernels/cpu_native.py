@@ -122,7 +122,9 @@ class NativeBuild:
 
 
 def _fake_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
+                           lengths: torch.Tensor, scale: float,
+                           key_scales: torch.Tensor | None = None,
+                           value_scales: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

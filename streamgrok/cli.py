@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 DEFAULTS = argparse.ArgumentDefaultsHelpFormatter
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+CHAT_KV_DTYPES = ("auto", "float32", "bfloat16", "int8")  # the contiguous cache's
 POLICIES = ("full", "sink_window", "h2o", "snapkv", "redundancy", "pyramid")
 DEFAULT_PIPELINE = "live_qa"  # a sample pipeline shipped in the package
 
@@ -182,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=256, help="longest answer")
     chat.add_argument("--repetition-penalty", type=float, default=1.0,
                       help="> 1 discourages repeated tokens")
+    chat.add_argument("--kv-dtype", default="auto", choices=CHAT_KV_DTYPES,
+                      help="K/V cache dtype: auto is bfloat16 for the quantized formats where "
+                           "the CPU has native bfloat16, else the model's compute dtype; int8 "
+                           "keeps a scale per token and head (half bfloat16's bytes)")
     _add_model_options(chat)
 
     info = commands.add_parser("info", formatter_class=DEFAULTS,
@@ -226,11 +231,13 @@ def _add_bench_commands(commands) -> None:
     decode.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
     decode.add_argument("--repeats", type=int, default=3, help="runs per number (median)")
     decode.add_argument("--formats", default="f32,bf16,q8,q4",
-                        help="weight formats compared (f32 is the accuracy reference)")
-    decode.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="weight formats compared (f32 is the accuracy reference); "
+                             "FORMAT:KV gives one its own K/V cache dtype, e.g. q4:int8")
+    decode.add_argument("--kv-dtype", default="auto", choices=CHAT_KV_DTYPES,
                         help="K/V cache dtype of every format: auto is bfloat16 for the "
                              "quantized formats where the CPU has native bfloat16 (llama.cpp's "
-                             "default cache is float16), else the model's compute dtype")
+                             "default cache is float16), else the model's compute dtype; int8 "
+                             "keeps a scale per token and head")
     decode.add_argument("--peer", default=None, choices=("llama.cpp",),
                         help="also measure llama.cpp's own benchmarks on the same GGUF")
     decode.add_argument("--peer-bin", default=None,
@@ -347,13 +354,14 @@ def _load(args: argparse.Namespace):
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from streamgrok.model.compiled_decode import CompiledDecode
-    from streamgrok.model.generate import Generator
+    from streamgrok.model.generate import Generator, kv_cache_dtype
     from streamgrok.model.sampling import SamplingParams
 
     loaded = _load(args)
     if args.question:  # one answer: a decode compilation (seconds) would not pay for itself
         loaded.model.compiled_decode = CompiledDecode(enabled=False)
-    generator = Generator(loaded)
+    generator = Generator(loaded, kv_dtype=None if args.kv_dtype == "auto" else
+                          kv_cache_dtype(args.kv_dtype))
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,

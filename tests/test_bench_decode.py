@@ -3,6 +3,7 @@ every row filled, the accuracy reference first, a plot written."""
 
 from __future__ import annotations
 
+import pytest
 from helpers import random_model, tiny_config, write_gguf
 
 from streamgrok.bench.decode import run_decode_bench
@@ -12,10 +13,11 @@ def test_decode_bench_measures_each_format_against_float32(tmp_path, capsys):
     config = tiny_config(max_positions=256, hidden_size=128, intermediate_size=256,
                          head_dim=32)
     model = write_gguf(tmp_path / "tiny.gguf", random_model(config))
-    columns = run_decode_bench(str(model), ["q8", "q4"], threads=1, prompt_tokens=32,
-                               batches=[1, 2], context=32, batch1_context=8, steps=2,
-                               repeats=1, out=str(tmp_path / "out"))
-    assert [c["weights"] for c in columns] == ["f32", "q8", "q4"]
+    columns = run_decode_bench(str(model), ["q8", "q4", "q4:int8"], threads=1,
+                               prompt_tokens=32, batches=[1, 2], context=32, batch1_context=8,
+                               steps=2, repeats=1, out=str(tmp_path / "out"))
+    assert [c["weights"] for c in columns] == ["f32", "q8", "q4", "q4:int8"]
+    assert [c["kv_dtype"] for c in columns][::3] == ["float32", "int8"]
     for column in columns:
         for key in ("prefill_tok_s", "decode_b1_tok_s", "decode_b2_tok_s", "peak_rss_mb"):
             assert column[key] > 0, (column["weights"], key)
@@ -31,8 +33,14 @@ def test_decode_bench_measures_each_format_against_float32(tmp_path, capsys):
     assert all(0 <= c["greedy_same"] <= c["greedy_prefix"] <= 1 for c in columns)
     printed = capsys.readouterr().out
     assert "decode 2 seq @32 tok/s" in printed and "q8/f32" in printed
-    assert "answers = f32" in printed
+    assert "answers = f32" in printed and "q4:int8/f32" in printed
     assert (tmp_path / "out" / "decode.png").stat().st_size > 1000
+
+
+def test_a_format_the_bench_does_not_know_is_a_clear_error(tmp_path):
+    for bad in ("q5", "q4:int4"):
+        with pytest.raises(ValueError, match=f"unknown format '{bad}'"):
+            run_decode_bench(str(tmp_path / "none.gguf"), [bad], threads=1)
 
 
 def test_rounds_merge_into_one_column_per_system():

@@ -21,13 +21,17 @@ from streamgrok.model.loader import load_model
 from streamgrok.model.quantized import Int4Linear, quantize_model
 
 
-@pytest.fixture(scope="module", params=["f32", "q4", "q4 native", "w8a8", "f32 loops"])
+@pytest.fixture(scope="module", params=["f32", "q4", "q4 native", "w8a8", "f32 loops",
+                                        "q4 native kv8", "f32 loops kv8"])
 def compiled_model(request, tmp_path_factory):
-    """A tiny model whose decode steps are compiled (once for the module's tests); its
-    attention by the native CPU kernel, or ("loops") by inductor's product-sum loops; q4's
-    matmuls by PyTorch's int4 kernel, or ("native") by the native one."""
-    weights, _, variant = request.param.partition(" ")
+    """A tiny model whose decode steps are compiled (once for the module's tests) and the
+    K/V dtype of the caches they serve; its attention by the native CPU kernel, or ("loops")
+    by inductor's product-sum loops; q4's matmuls by PyTorch's int4 kernel, or ("native") by
+    the native one; K/V float32, or ("kv8") int8 with scales."""
+    weights, *flags = request.param.split(" ")
+    variant = flags[0] if flags else ""
     loops = variant == "loops"
+    kv_dtype = torch.int8 if "kv8" in flags else torch.float32
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(NATIVE_ATTENTION_ENV, "1" if variant == "native" else "0")
         if weights == "w8a8":  # calibrated as it loads
@@ -37,7 +41,7 @@ def compiled_model(request, tmp_path_factory):
         else:
             model = quantize_model(random_model(tiny_config()), weights)
     model.compiled_decode = CompiledDecode(enabled=True)
-    cache = ContiguousKVCache(model.config, 1, 40)
+    cache = ContiguousKVCache(model.config, 1, 40, kv_dtype)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(NATIVE_ATTENTION_ENV, "0" if loops else "1")
         with torch.inference_mode():
@@ -49,7 +53,7 @@ def compiled_model(request, tmp_path_factory):
     if variant == "native":
         layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
         assert layer.int4_matmul.in_use, "the native int4 kernel is off"
-    return model, weights
+    return model, weights, kv_dtype
 
 
 def eager(model):
@@ -75,19 +79,27 @@ def prefilled(model, slots: int, capacity: int, dtype=torch.float32) -> Contiguo
 
 
 def same_cache(a: ContiguousKVCache, b: ContiguousKVCache) -> bool:
+    """Same lengths and K/V (int8: within one level, a rounding tie computed apart)."""
+    if a.k_scales is None:
+        return a.lengths == b.lengths and all(
+            torch.allclose(x, y, atol=1e-5) for x, y in zip(a.k + a.v, b.k + b.v))
     return a.lengths == b.lengths and all(
-        torch.allclose(x, y, atol=1e-5) for x, y in zip(a.k + a.v, b.k + b.v))
+        (x.int() - y.int()).abs().max() <= 1 for x, y in zip(a.k + a.v, b.k + b.v)) and all(
+        torch.allclose(x, y, rtol=5e-3) for x, y in ((a.k_scales, b.k_scales),
+                                                    (a.v_scales, b.v_scales)))
 
 
 @pytest.mark.parametrize(("slots", "capacity"), [(1, 23), (1, 61), (3, 30), (5, 47)])
 def test_compiled_steps_equal_eager_steps(compiled_model, slots, capacity):
-    model, weights = compiled_model
-    compiled, reference = prefilled(model, slots, capacity), prefilled(model, slots, capacity)
+    model, weights, kv_dtype = compiled_model
+    compiled = prefilled(model, slots, capacity, kv_dtype)
+    reference = prefilled(model, slots, capacity, kv_dtype)
     decode = model.compiled_decode
     before, fallbacks = decode.compiled_steps, decode.eager_fallbacks
     batch = BatchMetadata.build(list(range(slots)), [1] * slots)
     gen = torch.Generator().manual_seed(slots)
-    tolerance = 1e-4 if weights == "f32" else 0.05  # q4 runs its matmuls on bfloat16
+    # q4 runs its matmuls on bfloat16; int8 K/V computed apart may round a tie apart
+    tolerance = 0.05 if weights != "f32" else 1e-4 if kv_dtype == torch.float32 else 5e-3
     with torch.inference_mode():
         for _ in range(6):  # every cache size and batch from the stand-ins' graphs
             ids = torch.randint(0, model.config.vocab_size, (slots,), generator=gen)
@@ -102,9 +114,9 @@ def test_compiled_steps_equal_eager_steps(compiled_model, slots, capacity):
 
 
 def test_other_steps_run_eagerly(compiled_model):
-    model, _ = compiled_model
+    model, _, kv_dtype = compiled_model
     decode = model.compiled_decode
-    cache, reference = prefilled(model, 3, 30), prefilled(model, 3, 30)
+    cache, reference = prefilled(model, 3, 30, kv_dtype), prefilled(model, 3, 30, kv_dtype)
     before = decode.compiled_steps
     with torch.inference_mode():
         # a prefill chunk, and a decode step of some of the cache's sequences
@@ -119,9 +131,9 @@ def test_other_steps_run_eagerly(compiled_model):
 
 
 def test_a_cache_the_graph_does_not_fit_decodes_eagerly(compiled_model, caplog):
-    model, _ = compiled_model
+    model, _, _ = compiled_model
     decode = model.compiled_decode
-    cache = prefilled(model, 1, 30, torch.bfloat16)  # the stand-ins were float32
+    cache = prefilled(model, 1, 30, torch.bfloat16)  # the stand-ins were float32 or int8
     reference = prefilled(model, 1, 30, torch.bfloat16)
     fallbacks = decode.eager_fallbacks
     with torch.inference_mode(), caplog.at_level(logging.WARNING):

@@ -1,5 +1,5 @@
 """The native CPU decode attention kernel against its PyTorch reference: the fixed-shape and
-generic paths, bfloat16 K/V, every length from 1 to the capacity, inside a compiled graph,
+generic paths, bfloat16 and int8 K/V, every length from 1 to the capacity, inside a compiled graph,
 and clear errors for what it does not take."""
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import torch
 from kernels.cpu_attention import (
     cpu_decode_attention,
     decode_attention_reference,
+    dequantized,
     native_kernel_available,
 )
+from kernels.quant import quantize_int8
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,6 +46,31 @@ def test_the_kernel_equals_the_reference(batch, heads, kv_heads, dim, capacity, 
     want = decode_attention_reference(q, keys, values, lengths, dim ** -0.5)
     assert got.dtype == torch.float32 and got.shape == q.shape
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def quantized_inputs(batch, heads, kv_heads, dim, capacity, seed):
+    """int8 K/V with a float16 scale per (sequence, head, position), as the cache stores."""
+    q, keys, values, lengths = inputs(batch, heads, kv_heads, dim, capacity, torch.float32,
+                                      seed)
+    k8, k_scales = quantize_int8(keys)
+    v8, v_scales = quantize_int8(values)
+    return q, k8, v8, k_scales.half(), v_scales.half(), lengths
+
+
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "dim", "capacity"), [
+    (3, 9, 3, 64, 40), (2, 8, 1, 128, 33), (2, 4, 2, 32, 17), (1, 18, 2, 64, 21)])
+def test_int8_keys_and_values_are_read_with_their_row_scales(batch, heads, kv_heads, dim,
+                                                             capacity):
+    q, keys, values, k_scales, v_scales, lengths = quantized_inputs(
+        batch, heads, kv_heads, dim, capacity, seed=batch + heads + dim)
+    got = cpu_decode_attention(q, keys, values, lengths, dim ** -0.5, k_scales, v_scales)
+    want = decode_attention_reference(q, keys, values, lengths, dim ** -0.5, k_scales,
+                                      v_scales)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # the reference is the float kernel on the dequantized rows: the scales are per row
+    as_floats = cpu_decode_attention(q, dequantized(keys, k_scales),
+                                     dequantized(values, v_scales), lengths, dim ** -0.5)
+    torch.testing.assert_close(got, as_floats, atol=2e-5, rtol=1e-4)
 
 
 def test_every_length_reads_exactly_its_positions():
@@ -82,8 +109,16 @@ def test_the_op_runs_inside_a_compiled_graph():
 
 def test_what_the_kernel_does_not_take_is_a_clear_error():
     q, keys, values, lengths = inputs(2, 6, 2, 64, 10, torch.float32, seed=8)
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8"):
         cpu_decode_attention(q, keys.half(), values.half(), lengths, 0.125)
+    k8, v8 = keys.to(torch.int8), values.to(torch.int8)
+    with pytest.raises(RuntimeError, match="need key_scales and value_scales"):
+        cpu_decode_attention(q, k8, v8, lengths, 0.125)
+    with pytest.raises(RuntimeError, match="float ones none"):
+        cpu_decode_attention(q, keys, values, lengths, 0.125, keys[..., 0].half(),
+                             keys[..., 0].half())
+    with pytest.raises(RuntimeError, match="scales must be float16"):
+        cpu_decode_attention(q, k8, v8, lengths, 0.125, keys[..., 0], keys[..., 0])
     with pytest.raises(RuntimeError, match="q must be float32"):
         cpu_decode_attention(q.double(), keys, values, lengths, 0.125)
     with pytest.raises(RuntimeError, match="outside 1..10"):

@@ -117,6 +117,28 @@ def test_bfloat16_model_tracks_float32(tiny):
     assert cos.min() > 0.99
 
 
+def test_an_int8_cache_stores_each_row_with_its_scale_and_tracks_float32(tiny):
+    from kernels.quant import quantize_int8
+
+    ids = torch.randint(0, tiny.config.vocab_size, (30,)).tolist()
+    exact, int8 = (ContiguousKVCache(tiny.config, 2, 40, dtype=dtype)
+                   for dtype in (torch.float32, torch.int8))
+    got, want = [], []
+    for cache, out in ((exact, want), (int8, got)):
+        # seq 1: a 17-token chunk, a 9-token chunk, then token by token
+        for chunk in (ids[:17], ids[17:26], *([t] for t in ids[26:])):
+            batch = BatchMetadata.build([1], [len(chunk)])
+            batch.logit_rows = None
+            out.append(tiny(torch.tensor(chunk), batch, cache))
+    assert int8.k[0].dtype == torch.int8 and int8.lengths == [0, 30]
+    # the first layer's keys are the float cache's, rounded to int8 levels of their row
+    levels, scales = quantize_int8(exact.k[0][1, :, :30])
+    assert torch.equal(int8.k[0][1, :, :30], levels)
+    assert torch.equal(int8.k_scales[0][1, :, :30], scales.half())
+    cos = torch.nn.functional.cosine_similarity(torch.cat(got), torch.cat(want), dim=-1)
+    assert cos.min() > 0.999
+
+
 def test_cache_full_raises_clear_error(tiny):
     from streamgrok.errors import CacheFullError
 

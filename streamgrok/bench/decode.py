@@ -15,6 +15,7 @@ from pathlib import Path
 from streamgrok.bench.decode_worker import QUESTIONS
 from streamgrok.bench.llama_cpp_peer import PeerUnavailable, find_binaries, run_peer
 from streamgrok.bench.timing import measurement_env
+from streamgrok.model.quantized import WEIGHT_FORMATS
 
 AGREEMENT_TOKENS = 512
 
@@ -25,7 +26,8 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
                      repeats: int = 3, peer: str | None = None, peer_bin: str | None = None,
                      kv_dtype: str = "auto", out: str = "bench-results") -> list[dict]:
     """Print one row per measurement, one column per weight format (and the peer); every
-    format's K/V cache in `kv_dtype` (auto: `streamgrok.model.quantized.cache_dtype`)."""
+    format's K/V cache in `kv_dtype` (auto: `streamgrok.model.quantized.cache_dtype`)
+    unless its entry names its own, `FORMAT:KV` (`q4:int8`: q4 weights, int8 K/V)."""
     import torch
 
     from streamgrok.model.loader import default_model_path
@@ -34,6 +36,11 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
     threads = threads or torch.get_num_threads()
     batches = batches or [1, 8, 32]
     weights = ["f32", *[w for w in weights if w != "f32"]]  # the accuracy reference first
+    for column in weights:
+        fmt, _, kv = column.partition(":")
+        if fmt not in WEIGHT_FORMATS or (kv and kv not in ("float32", "bfloat16", "int8")):
+            raise ValueError(f"unknown format {column!r}: FORMAT or FORMAT:KV, FORMAT one of "
+                             f"{', '.join(WEIGHT_FORMATS)}, KV float32, bfloat16 or int8")
     print(f"model {model_path.name}  threads {threads}  prefill {prompt_tokens} tokens  "
           f"batch 1 at {batch1_context} tokens, sequences at {context}+{steps} tokens  "
           f"median of {repeats} rounds, each system in turn; K/V cache {kv_dtype}; "
@@ -51,15 +58,18 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
     with tempfile.TemporaryDirectory() as scratch:
         reference = str(Path(scratch) / "f32_logprobs.npy")
         for round_number in range(repeats):
-            for fmt in weights:
+            for column in weights:
+                fmt, _, own_kv = column.partition(":")
                 spec = {"model": str(model_path), "weights": fmt, "threads": threads,
                         "prompt_tokens": prompt_tokens, "batches": batches,
                         "context": context, "batch1_context": batch1_context,
-                        "steps": steps, "kv_dtype": kv_dtype,
+                        "steps": steps, "kv_dtype": own_kv or kv_dtype,
                         "reference_logprobs": reference if round_number == 0 else None,
                         "agreement_tokens": AGREEMENT_TOKENS}
-                rounds.setdefault(fmt, []).append(_worker(spec, Path(scratch)))
-                print(f".. round {round_number + 1}: {fmt} done", file=sys.stderr, flush=True)
+                result = _worker(spec, Path(scratch))
+                rounds.setdefault(column, []).append({**result, "weights": column})
+                print(f".. round {round_number + 1}: {column} done", file=sys.stderr,
+                      flush=True)
             if binaries is not None:
                 rounds.setdefault("llama.cpp", []).append(run_peer(
                     binaries, model_path, threads, prompt_tokens, 128, context,

@@ -20,7 +20,7 @@ from streamgrok.bench.timing import median, timed
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.contiguous_cache import ContiguousKVCache
-from streamgrok.model.generate import Generator
+from streamgrok.model.generate import Generator, kv_cache_dtype
 from streamgrok.model.loader import LoadedModel, load_model
 from streamgrok.model.quantized import (
     cache_dtype,
@@ -72,8 +72,9 @@ def measure(spec: dict) -> dict:
     gc.collect()
     model = loaded.model
     kv_dtype = cache_dtype(model) if spec["kv_dtype"] == "auto" else \
-        resolve_dtype(spec["kv_dtype"])
-    out: dict = {"weights": weights, "weight_mb": model.weight_bytes() / 1e6,
+        kv_cache_dtype(spec["kv_dtype"])
+    out: dict = {"weights": weights, "kv_dtype": str(kv_dtype).removeprefix("torch."),
+                 "weight_mb": model.weight_bytes() / 1e6,
                  "decode_read_mb": model.decode_read_bytes() / 1e6}
     out["compile_s"] = _compile_decode(loaded, kv_dtype)
     out["native_int8"] = wait_native_int8(model)
@@ -152,12 +153,13 @@ def _agreement(loaded: LoadedModel, spec: dict, kv_dtype: torch.dtype) -> dict:
     path = Path(spec["reference_logprobs"])
     answers_path = path.with_name("f32_answers.json")
     logprobs = _logprobs(loaded, ids, kv_dtype)
-    answers = greedy_answers(loaded)
+    answers = greedy_answers(loaded, kv_dtype)
     if spec["weights"] == "f32":
-        reference = logprobs if kv_dtype == torch.float32 else \
-            _logprobs(loaded, ids, torch.float32)
+        exact = kv_dtype == torch.float32
+        reference = logprobs if exact else _logprobs(loaded, ids, torch.float32)
         np.save(path, reference.numpy())
-        answers_path.write_text(json.dumps(answers))
+        answers_path.write_text(json.dumps(
+            answers if exact else greedy_answers(loaded, torch.float32)))
     else:
         reference = torch.from_numpy(np.load(path))
     kl = (reference.exp() * (reference - logprobs)).sum(-1).mean().item()
@@ -166,10 +168,11 @@ def _agreement(loaded: LoadedModel, spec: dict, kv_dtype: torch.dtype) -> dict:
             **answer_agreement(answers, json.loads(answers_path.read_text()))}
 
 
-def greedy_answers(loaded: LoadedModel) -> list[list[int]]:
+def greedy_answers(loaded: LoadedModel, kv_dtype: torch.dtype | None = None
+                   ) -> list[list[int]]:
     """The model's greedy answers (token ids, at most ANSWER_TOKENS) to QUESTIONS, batched;
-    the K/V cache as `Generator` keeps it (`cache_dtype`)."""
-    generator = Generator(loaded, max_batch=len(QUESTIONS), capacity=256)
+    the K/V cache in `kv_dtype` (None: as `Generator` keeps it, `cache_dtype`)."""
+    generator = Generator(loaded, max_batch=len(QUESTIONS), capacity=256, kv_dtype=kv_dtype)
     prompts = [generator.chat_prompt(question) for question in QUESTIONS]
     greedy = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS)
     return [answer.token_ids for answer in generator.generate(prompts, greedy)]

@@ -36,9 +36,11 @@ from kernels.background_compile import BackgroundCompiles
 from kernels.cpu_attention import (
     NATIVE_ATTENTION_ENV,  # noqa: F401  (the switch's name, for callers of this module)
     cpu_decode_attention,
+    dequantized,
     native_attention_by_default,
     native_kernel_available,
 )
+from kernels.quant import quantize_int8
 from kernels.rotary import rotated
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.quantized import wait_native_int4
@@ -65,9 +67,10 @@ class DecodeView:
     [batch, kv_heads, capacity, head_dim] (contiguous, a row per sequence of the batch,
     written in place), each sequence's new position [batch], the key positions to
     attend over, `arange(T)` with T > every new position, and the rotary cos/sin
-    [batch, head_dim/2]. (Whole contiguous stores, not views of them: a view's strides
-    would enter the compiled graph's guards; one tensor per layer, as inductor copies a
-    mutated input back whole.)"""
+    [batch, head_dim/2]; int8 stores come with their scales, one per row, every layer's in
+    one tensor [layers, batch, kv_heads, capacity] float16 (`kernels.quant.quantize_int8`). (Whole contiguous
+    stores, not views of them: a view's strides would enter the compiled graph's guards; one
+    tensor per layer, as inductor copies a mutated input back whole.)"""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -75,6 +78,8 @@ class DecodeView:
     key_positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
 
 
 class DecodeViewSource(Protocol):
@@ -106,14 +111,25 @@ class _ViewAttention:
         view = self.view
         q, k = self._rotated(q), self._rotated(k)
         store_k, store_v = view.keys[layer], view.values[layer]  # [B, kv_heads, capacity, D]
+        k_scales = v_scales = None
+        if view.key_scales is not None:
+            k_scales, v_scales = view.key_scales[layer], view.value_scales[layer]
+            k, k_scale = quantize_int8(k)
+            v, v_scale = quantize_int8(v)
+            k_scales[self.rows, :, view.positions] = k_scale.to(k_scales.dtype)
+            v_scales[self.rows, :, view.positions] = v_scale.to(v_scales.dtype)
         store_k[self.rows, :, view.positions] = k.to(store_k.dtype)
         store_v[self.rows, :, view.positions] = v.to(store_v.dtype)
         rows, heads, dim = q.shape
         if self.native:
-            out = cpu_decode_attention(q.float(), store_k, store_v, self.lengths, dim ** -0.5)
+            out = cpu_decode_attention(q.float(), store_k, store_v, self.lengths, dim ** -0.5,
+                                       k_scales, v_scales)
             return out.to(q.dtype)
         used = view.key_positions.shape[0]
         keys, values = store_k[:, :, :used], store_v[:, :, :used]
+        if k_scales is not None:
+            keys = dequantized(keys, k_scales[:, :, :used])
+            values = dequantized(values, v_scales[:, :, :used])
         kv_heads = keys.shape[1]
         grouped = q.to(keys.dtype).view(rows, kv_heads, heads // kv_heads, 1, dim)
         # products summed, not matmuls: inductor makes each one loop that reads the keys
@@ -209,7 +225,8 @@ class CompiledDecode:
         with torch.inference_mode():  # the stand-ins' kind, whatever the caller's tensors
             ids = input_ids.clone()
             view = DecodeView(view.keys, view.values, view.positions.clone(),
-                              view.key_positions.clone(), view.cos.clone(), view.sin.clone())
+                              view.key_positions.clone(), view.cos.clone(), view.sin.clone(),
+                              view.key_scales, view.value_scales)
             try:
                 with torch.compiler.set_stance("fail_on_recompile"):
                     logits = function(model, ids, view, self.native_attention)
@@ -276,14 +293,23 @@ def _stand_ins(model: Transformer, like: torch.Tensor, batch: int, tokens: int
     with torch.inference_mode(like.is_inference()):
         keys, values = ([torch.zeros(store, dtype=like.dtype)
                          for _ in range(config.num_layers)] for _ in range(2))
+        scales = None
+        if like.dtype == torch.int8:
+            scales = [torch.zeros((config.num_layers, *store[:3]), dtype=torch.float16)
+                      for _ in range(2)]
     with torch.inference_mode():
         half = config.head_dim // 2
         view = DecodeView(keys, values, (torch.arange(batch) * 5 + 7) % tokens,
-                          torch.arange(tokens), torch.ones(batch, half), torch.zeros(batch, half))
+                          torch.arange(tokens), torch.ones(batch, half), torch.zeros(batch, half),
+                          *(scales or (None, None)))
         ids = torch.zeros(batch, dtype=torch.long)
     stores = [*keys, *values]
     for tensor in stores:
         torch._dynamo.mark_dynamic(tensor, 2)
+    for tensor in scales or []:  # [layers, batch, kv_heads, capacity]
+        torch._dynamo.mark_dynamic(tensor, 3)
+        if batch > 1:
+            torch._dynamo.mark_dynamic(tensor, 1)
     torch._dynamo.mark_dynamic(view.key_positions, 0)
     if batch > 1:
         for tensor in [*stores, view.positions, view.cos, view.sin, ids]:

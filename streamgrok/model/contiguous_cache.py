@@ -1,7 +1,9 @@
 """A simple contiguous KV cache: one fixed-capacity slot per sequence, never evicts.
 
 It stores rotated keys at absolute positions. It is the reference the paged streaming cache
-is checked against, and the cache of plain one-shot generation.
+is checked against, and the cache of plain one-shot generation. K/V may be stored as int8
+with a float16 scale per token and head (`kernels.quant.quantize_int8`): half the bytes of
+bfloat16 for the same sequences, read dequantized.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_attention import dequantized
+from kernels.quant import quantize_int8
 from kernels.rotary import apply_rotary
 from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
@@ -31,7 +35,8 @@ class ContiguousKVCache:
         device: torch.device | str = "cpu",
         prefill_dtype: torch.dtype | None = None,
     ) -> None:
-        """`prefill_dtype`: what prefill attention computes in (default: `dtype`; a quantized
+        """`dtype`: how K/V are stored (a float dtype, or int8 with scales); `prefill_dtype`:
+        what prefill attention computes in (default: `dtype`, float32 for int8; a quantized
         model's is bfloat16 where the CPU multiplies it natively, see
         `streamgrok.model.quantized.prefill_attention_dtype`)."""
         # a tensor per layer: a compiled decode step writes each as its own input
@@ -40,9 +45,18 @@ class ContiguousKVCache:
                   for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device)
                   for _ in range(config.num_layers)]
+        # int8: every layer's scales in one tensor [layers, max_seqs, kv_heads, capacity]
+        # (a tensor per layer would add 60 dynamic inputs to the compiled step, whose
+        # tracing then took 4x as long: SmolLM2 q4 25 -> 100 s)
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
+        if dtype == torch.int8:
+            self.k_scales, self.v_scales = (
+                torch.zeros((config.num_layers, *shape[:3]), dtype=torch.float16,
+                            device=device) for _ in "kv")
         self.lengths = [0] * max_seqs
         self.capacity = capacity
-        self.prefill_dtype = prefill_dtype or dtype
+        self.prefill_dtype = prefill_dtype or (torch.float32 if dtype == torch.int8 else dtype)
         self.rotary = Rotary(config, device)
 
     @property
@@ -59,7 +73,7 @@ class ContiguousKVCache:
             return None
         return DecodeView(self.k, self.v, step.positions,
                           torch.arange(step.decode[1], device=self.k[0].device), step.cos,
-                          step.sin)
+                          step.sin, self.k_scales, self.v_scales)
 
     def reset(self, seq_id: int) -> None:
         """Forget a sequence's tokens so its slot can be reused."""
@@ -109,8 +123,7 @@ class ContiguousKVCache:
         k = apply_rotary(k, step.cos, step.sin)
         spans = batch.spans()
         for (seq, row, n), start in zip(spans, starts):
-            self.k[layer][seq, :, start : start + n] = k[row : row + n].transpose(0, 1)
-            self.v[layer][seq, :, start : start + n] = v[row : row + n].transpose(0, 1)
+            self._store(layer, seq, start, k[row : row + n], v[row : row + n])
         if step.decode is not None:
             return self._decode(layer, q, *step.decode)
         out = torch.empty_like(q)
@@ -118,19 +131,41 @@ class ContiguousKVCache:
             out[row : row + n] = self._prefill(layer, q[row : row + n], seq, start, n)
         return out
 
+    def _store(self, layer: int, seq: int, start: int, k: torch.Tensor, v: torch.Tensor
+               ) -> None:
+        """K/V [n, kv_heads, head_dim] of one sequence at positions start..start+n-1."""
+        end = start + k.shape[0]
+        if self.k_scales is None:
+            self.k[layer][seq, :, start:end] = k.transpose(0, 1)
+            self.v[layer][seq, :, start:end] = v.transpose(0, 1)
+            return
+        for data, scales, rows in ((self.k, self.k_scales, k), (self.v, self.v_scales, v)):
+            values, scale = quantize_int8(rows)
+            data[layer][seq, :, start:end] = values.transpose(0, 1)
+            scales[layer][seq, :, start:end] = scale.transpose(0, 1).to(torch.float16)
+
+    def _read(self, layer: int, rows: int | torch.Tensor | slice, total: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of cache rows `rows` at positions 0..total-1, in `dtype` (int8 dequantized)."""
+        keys = self.k[layer][rows, :, :total]
+        values = self.v[layer][rows, :, :total]
+        if self.k_scales is not None:
+            keys = dequantized(keys, self.k_scales[layer][rows, :, :total])
+            values = dequantized(values, self.v_scales[layer][rows, :, :total])
+        return keys.to(dtype), values.to(dtype)
+
     def _prefill(
         self, layer: int, q: torch.Tensor, seq: int, start: int, n: int
     ) -> torch.Tensor:
         total = start + n
-        keys = self.k[layer][seq, :, :total]
-        values = self.v[layer][seq, :, :total]
+        keys, values = self._read(layer, seq, total, self.prefill_dtype)
         # from position 0 the mask is plain causal: the flash kernel then skips the blocks
         # above the diagonal instead of reading a mask (512 tokens: 2.4x faster)
         mask = None if start == 0 else \
             torch.ones(n, total, dtype=torch.bool, device=q.device).tril(diagonal=start)
         dtype = self.prefill_dtype
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).to(dtype), keys.to(dtype), values.to(dtype), attn_mask=mask,
+            q.transpose(0, 1).to(dtype), keys, values, attn_mask=mask,
             is_causal=start == 0, enable_gqa=True)
         return out.transpose(0, 1).to(q.dtype)
 
@@ -138,8 +173,9 @@ class ContiguousKVCache:
         self, layer: int, q: torch.Tensor, slots: torch.Tensor | slice, total: int,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        keys = self.k[layer][slots, :, :total]
-        values = self.v[layer][slots, :, :total]
+        keys, values = self._read(layer, slots, total,
+                                  torch.float32 if self.k_scales is not None else
+                                  self.k[layer].dtype)
         out = F.scaled_dot_product_attention(
             q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=mask, enable_gqa=True)
         return out[:, :, 0, :].to(q.dtype)

@@ -27,14 +27,25 @@ class Generation:
     finish_reason: str  # "stop" or "length"
 
 
+def kv_cache_dtype(name: str) -> torch.dtype:
+    """The contiguous cache's K/V dtype called `name`: float32, bfloat16 or int8."""
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+    if name not in dtypes:
+        raise ValueError(f"unknown K/V cache dtype {name!r} (choose from {', '.join(dtypes)})")
+    return dtypes[name]
+
+
 class Generator:
     """Runs prompts through a LoadedModel on its own contiguous cache."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int = 1, capacity: int | None = None):
+    def __init__(self, loaded: LoadedModel, max_batch: int = 1, capacity: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
+        """`kv_dtype`: the cache's K/V dtype (float32, bfloat16, or int8 with a scale per
+        token and head); None: `streamgrok.model.quantized.cache_dtype`."""
         self.loaded = loaded
         self.capacity = capacity or loaded.config.max_positions
         self.cache = ContiguousKVCache(
-            loaded.config, max_batch, self.capacity, cache_dtype(loaded.model),
+            loaded.config, max_batch, self.capacity, kv_dtype or cache_dtype(loaded.model),
             loaded.model.device, prefill_attention_dtype(loaded.model))
 
     def chat_prompt(self, question: str, system: str | None = None) -> list[int]:
