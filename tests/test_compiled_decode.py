@@ -85,8 +85,8 @@ def same_cache(a: ContiguousKVCache, b: ContiguousKVCache) -> bool:
             torch.allclose(x, y, atol=1e-5) for x, y in zip(a.k + a.v, b.k + b.v))
     return a.lengths == b.lengths and all(
         (x.int() - y.int()).abs().max() <= 1 for x, y in zip(a.k + a.v, b.k + b.v)) and all(
-        torch.allclose(x, y, rtol=5e-3) for x, y in ((a.k_scales, b.k_scales),
-                                                    (a.v_scales, b.v_scales)))
+        torch.allclose(x, y, rtol=5e-3) for x, y in zip(a.k_scales + a.v_scales,
+                                                       b.k_scales + b.v_scales))
 
 
 @pytest.mark.parametrize(("slots", "capacity"), [(1, 23), (1, 61), (3, 30), (5, 47)])

@@ -127,13 +127,14 @@ def _print_table(columns: list[dict], batches: list[int], context: int) -> None:
     names = [c["weights"] for c in ours] + (["llama.cpp"] if peer else [])
     ratio_names = [f"{c['weights']}/peer" for c in ours] if peer else \
         [f"{c['weights']}/f32" for c in ours[1:]]
-    print(f"{'':28}" + "".join(f"{n:>12}" for n in names + ratio_names))
+    width = max(12, 2 + max(len(n) for n in names + ratio_names))
+    print(f"{'':28}" + "".join(f"{n:>{width}}" for n in names + ratio_names))
     for label, key, _ in _rows(batches, context):
         cells = [_cell(c.get(key)) for c in ours] + ([_cell(peer.get(key))] if peer else [])
         base = peer if peer else ours[0]
         compared = ours if peer else ours[1:]
         ratios = [_ratio(c.get(key), base.get(key)) for c in compared]
-        print(f"{label:28}" + "".join(f"{x:>12}" for x in cells + ratios))
+        print(f"{label:28}" + "".join(f"{x:>{width}}" for x in cells + ratios))
 
 
 def _cell(value) -> str:

@@ -67,8 +67,8 @@ class DecodeView:
     [batch, kv_heads, capacity, head_dim] (contiguous, a row per sequence of the batch,
     written in place), each sequence's new position [batch], the key positions to
     attend over, `arange(T)` with T > every new position, and the rotary cos/sin
-    [batch, head_dim/2]; int8 stores come with their scales, one per row, every layer's in
-    one tensor [layers, batch, kv_heads, capacity] float16 (`kernels.quant.quantize_int8`). (Whole contiguous
+    [batch, head_dim/2]; int8 stores come with their scales, one per row, a tensor per layer
+    [batch, kv_heads, capacity] float16 (`kernels.quant.quantize_int8`). (Whole contiguous
     stores, not views of them: a view's strides would enter the compiled graph's guards; one
     tensor per layer, as inductor copies a mutated input back whole.)"""
 
@@ -78,8 +78,8 @@ class DecodeView:
     key_positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    key_scales: torch.Tensor | None = None
-    value_scales: torch.Tensor | None = None
+    key_scales: list[torch.Tensor] | None = None
+    value_scales: list[torch.Tensor] | None = None
 
 
 class DecodeViewSource(Protocol):
@@ -295,21 +295,17 @@ def _stand_ins(model: Transformer, like: torch.Tensor, batch: int, tokens: int
                          for _ in range(config.num_layers)] for _ in range(2))
         scales = None
         if like.dtype == torch.int8:
-            scales = [torch.zeros((config.num_layers, *store[:3]), dtype=torch.float16)
-                      for _ in range(2)]
+            scales = [[torch.zeros(store[:3], dtype=torch.float16)
+                       for _ in range(config.num_layers)] for _ in range(2)]
     with torch.inference_mode():
         half = config.head_dim // 2
         view = DecodeView(keys, values, (torch.arange(batch) * 5 + 7) % tokens,
                           torch.arange(tokens), torch.ones(batch, half), torch.zeros(batch, half),
                           *(scales or (None, None)))
         ids = torch.zeros(batch, dtype=torch.long)
-    stores = [*keys, *values]
+    stores = [*keys, *values, *(scales[0] + scales[1] if scales else [])]
     for tensor in stores:
         torch._dynamo.mark_dynamic(tensor, 2)
-    for tensor in scales or []:  # [layers, batch, kv_heads, capacity]
-        torch._dynamo.mark_dynamic(tensor, 3)
-        if batch > 1:
-            torch._dynamo.mark_dynamic(tensor, 1)
     torch._dynamo.mark_dynamic(view.key_positions, 0)
     if batch > 1:
         for tensor in [*stores, view.positions, view.cos, view.sin, ids]:
