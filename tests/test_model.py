@@ -139,6 +139,14 @@ def test_an_int8_cache_stores_each_row_with_its_scale_and_tracks_float32(tiny):
     assert cos.min() > 0.999
 
 
+def test_an_unknown_kv_cache_dtype_is_a_clear_error():
+    from streamgrok.model.generate import kv_cache_dtype
+
+    assert kv_cache_dtype("int8") == torch.int8
+    with pytest.raises(ValueError, match="unknown K/V cache dtype 'float16'"):
+        kv_cache_dtype("float16")
+
+
 def test_cache_full_raises_clear_error(tiny):
     from streamgrok.errors import CacheFullError
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from streamgrok.model.generate import Generator
 from streamgrok.model.sampling import SamplingParams
@@ -20,6 +21,13 @@ def test_greedy_answer_names_paris(smollm2):
     answer = "".join(deltas)
     assert "Paris" in answer
     assert len(deltas) > 3  # streamed, token by token
+
+
+def test_an_int8_cache_answers_the_same_question(smollm2):
+    gen = Generator(smollm2, capacity=256, kv_dtype=torch.int8)
+    assert gen.cache.k[0].dtype == torch.int8 and gen.cache.k_scales is not None
+    prompt = gen.chat_prompt("What is the capital of France?")
+    assert "Paris" in "".join(gen.stream(prompt, SamplingParams(max_tokens=40)))
 
 
 def test_batched_generation_equals_single(smollm2):
@@ -59,6 +67,10 @@ def test_cli_chat_and_info():
     chat = run_cli("chat", "What is the capital of France?", "--max-tokens", "30")
     assert chat.returncode == 0, chat.stderr
     assert "Paris" in chat.stdout
+    int8 = run_cli("chat", "What is the capital of France?", "--max-tokens", "30",
+                   "--kv-dtype", "int8")
+    assert int8.returncode == 0, int8.stderr
+    assert "Paris" in int8.stdout
     info = run_cli("info")
     assert info.returncode == 0, info.stderr
     assert "llama" in info.stdout and "30 / 576 / 1536" in info.stdout
