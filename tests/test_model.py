@@ -139,6 +139,36 @@ def test_an_int8_cache_stores_each_row_with_its_scale_and_tracks_float32(tiny):
     assert cos.min() > 0.999
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_eager_decode_steps_attend_by_the_native_kernel(tiny, dtype, monkeypatch):
+    import streamgrok.model.contiguous_cache as contiguous
+
+    calls = []
+    kernel = contiguous.cpu_decode_attention
+    monkeypatch.setattr(contiguous, "cpu_decode_attention",
+                        lambda *args: calls.append(args[1].dtype) or kernel(*args))
+    native, plain = (ContiguousKVCache(tiny.config, 3, 40, dtype, native_attention=on)
+                     for on in (True, False))
+    assert native.native.wait_ready(timeout=600), native.native.error
+    gen = torch.Generator().manual_seed(3)
+    got, want = [], []
+    for seq, n in enumerate((5, 11, 2)):
+        ids = torch.randint(0, tiny.config.vocab_size, (n,), generator=gen)
+        for cache in (native, plain):
+            tiny(ids, BatchMetadata.build([seq], [n]), cache)
+    # steps of every sequence (a view of the stores), then of two apart (a gathered copy)
+    for seqs in ([0, 1, 2], [0, 1, 2], [0, 2], [1]):
+        ids = torch.randint(0, tiny.config.vocab_size, (len(seqs),), generator=gen)
+        batch = BatchMetadata.build(seqs, [1] * len(seqs))
+        got.append(tiny(ids, batch, native))
+        want.append(tiny(ids, BatchMetadata.build(seqs, [1] * len(seqs)), plain))
+    # bfloat16: the plain path multiplies in bfloat16, the kernel in float32
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=tolerance, rtol=0.01)
+    assert calls and set(calls) == {dtype} and native.lengths == plain.lengths == [8, 14, 5]
+    assert len(calls) == 4 * tiny.config.num_layers
+
+
 def test_an_unknown_kv_cache_dtype_is_a_clear_error():
     from streamgrok.model.generate import kv_cache_dtype
 

@@ -3,7 +3,9 @@
 It stores rotated keys at absolute positions. It is the reference the paged streaming cache
 is checked against, and the cache of plain one-shot generation. K/V may be stored as int8
 with a float16 scale per token and head (`kernels.quant.quantize_int8`): half the bytes of
-bfloat16 for the same sequences, read dequantized.
+bfloat16 for the same sequences. Decode steps on the CPU attend by the native kernel
+(`kernels.cpu_attention`), which reads the rows as stored; prefill and other devices read them
+dequantized.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_attention import dequantized
+from kernels.cpu_attention import KV_DTYPES, cpu_decode_attention, dequantized
+from kernels.cpu_native import NativeBuild
 from kernels.quant import quantize_int8
 from kernels.rotary import apply_rotary
 from streamgrok.errors import CacheFullError
@@ -34,11 +37,14 @@ class ContiguousKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         prefill_dtype: torch.dtype | None = None,
+        native_attention: bool | None = None,
     ) -> None:
         """`dtype`: how K/V are stored (a float dtype, or int8 with scales); `prefill_dtype`:
         what prefill attention computes in (default: `dtype`, float32 for int8; a quantized
         model's is bfloat16 where the CPU multiplies it natively, see
-        `streamgrok.model.quantized.prefill_attention_dtype`)."""
+        `streamgrok.model.quantized.prefill_attention_dtype`); `native_attention`: whether
+        eager decode steps on the CPU attend by the native kernel once it is built (None:
+        `kernels.cpu_native.native_kernels_by_default`), as compiled steps do."""
         # a tensor per layer: a compiled decode step writes each as its own input
         shape = (max_seqs, config.num_kv_heads, capacity, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device)
@@ -59,6 +65,8 @@ class ContiguousKVCache:
         self.capacity = capacity
         self.prefill_dtype = prefill_dtype or (torch.float32 if dtype == torch.int8 else dtype)
         self.rotary = Rotary(config, device)
+        served = torch.device(device).type == "cpu" and dtype in KV_DTYPES
+        self.native = NativeBuild("decode attention", native_attention) if served else None
 
     @property
     def decode_like(self) -> torch.Tensor:
@@ -106,7 +114,7 @@ class ContiguousKVCache:
             total = max(starts) + 1
             lengths = positions + 1  # a decode step's positions are its starts
             mask = torch.arange(total, device=device)[None, :] < lengths[:, None]
-            decode = (_slots(batch.seq_ids, device), total, mask[:, None, None, :])
+            decode = (_slots(batch.seq_ids, device), total, mask[:, None, None, :], lengths)
         batch.backend_state = _StepState(starts, positions, cos, sin, decode)
 
     def attend(
@@ -172,8 +180,15 @@ class ContiguousKVCache:
 
     def _decode(
         self, layer: int, q: torch.Tensor, slots: torch.Tensor | slice, total: int,
-        mask: torch.Tensor,
+        mask: torch.Tensor, lengths: torch.Tensor,
     ) -> torch.Tensor:
+        if self.native is not None and self.native.ready():
+            # the stores' rows as they are (int8 with their scales): no dequantized copy
+            scales = (None, None) if self.k_scales is None else \
+                (self.k_scales[layer][slots], self.v_scales[layer][slots])
+            out = cpu_decode_attention(q.float(), self.k[layer][slots], self.v[layer][slots],
+                                       lengths, q.shape[-1] ** -0.5, *scales)
+            return out.to(q.dtype)
         keys, values = self._read(layer, slots, total,
                                   torch.float32 if self.k_scales is not None else
                                   self.k[layer].dtype)
@@ -199,4 +214,5 @@ class _StepState:
     positions: torch.Tensor  # of the new tokens, packed
     cos: torch.Tensor
     sin: torch.Tensor
-    decode: tuple[torch.Tensor | slice, int, torch.Tensor] | None  # slots, total keys, mask
+    # slots, total keys, mask, each row's keys
+    decode: tuple[torch.Tensor | slice, int, torch.Tensor, torch.Tensor] | None
