@@ -131,8 +131,7 @@ class ContiguousKVCache:
         q = apply_rotary(q, step.cos, step.sin)
         k = apply_rotary(k, step.cos, step.sin)
         spans = batch.spans()
-        for (seq, row, n), start in zip(spans, starts):
-            self._store(layer, seq, start, k[row : row + n], v[row : row + n])
+        self._store(layer, spans, starts, k, v)
         if step.decode is not None:
             return self._decode(layer, q, *step.decode)
         out = torch.empty_like(q)
@@ -140,18 +139,21 @@ class ContiguousKVCache:
             out[row : row + n] = self._prefill(layer, q[row : row + n], seq, start, n)
         return out
 
-    def _store(self, layer: int, seq: int, start: int, k: torch.Tensor, v: torch.Tensor
-               ) -> None:
-        """K/V [n, kv_heads, head_dim] of one sequence at positions start..start+n-1."""
-        end = start + k.shape[0]
-        if self.k_scales is None:
-            self.k[layer][seq, :, start:end] = k.transpose(0, 1)
-            self.v[layer][seq, :, start:end] = v.transpose(0, 1)
-            return
-        for data, scales, rows in ((self.k, self.k_scales, k), (self.v, self.v_scales, v)):
-            values, scale = quantize_int8(rows)
-            data[layer][seq, :, start:end] = values.transpose(0, 1)
-            scales[layer][seq, :, start:end] = scale.transpose(0, 1).to(torch.float16)
+    def _store(self, layer: int, spans: list[tuple[int, int, int]], starts: list[int],
+               k: torch.Tensor, v: torch.Tensor) -> None:
+        """The step's K/V [T, kv_heads, head_dim]: each span's (seq, first row, n) rows at
+        its sequence's positions start..start+n-1 (int8: the step's rows quantized at once,
+        not span by span: a decode step has a span per sequence)."""
+        parts = [(self.k, k, None, None), (self.v, v, None, None)]
+        if self.k_scales is not None:
+            parts = [(data, *quantize_int8(rows), scales) for data, rows, scales in
+                     ((self.k, k, self.k_scales), (self.v, v, self.v_scales))]
+        for data, rows, row_scales, scales in parts:
+            for (seq, row, n), start in zip(spans, starts):
+                data[layer][seq, :, start : start + n] = rows[row : row + n].transpose(0, 1)
+                if scales is not None:
+                    scales[layer][seq, :, start : start + n] = \
+                        row_scales[row : row + n].transpose(0, 1).to(torch.float16)
 
     def _read(self, layer: int, rows: int | torch.Tensor | slice, total: int,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
