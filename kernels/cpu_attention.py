@@ -1,9 +1,10 @@
 """Attention on the CPU as native kernels (`kernels/cpu/`), built on first use.
 
-`decode_attention` (`decode_attention.cpp`) serves compiled decode steps on the contiguous
-cache; `paged_attention` (`paged_attention.cpp`) serves the paged streaming cache: decode
-rows and prefill chunks through page tables, keys rotated to their cache positions as they
-are read, with the exact attention mass eviction needs (see `cpu_paged_attention`).
+`decode_attention` (`decode_attention.cpp`) serves decode steps on the contiguous cache,
+compiled or eager, with float32, bfloat16 or int8 K/V (int8 with a float16 scale per row);
+`paged_attention` (`paged_attention.cpp`) serves the paged streaming cache: decode rows and
+prefill chunks through page tables, keys rotated to their cache positions as they are read,
+with the exact attention mass eviction needs (see `cpu_paged_attention`).
 
 A decode step's attention reads every cached key and value once per layer; on the CPU that
 read is the step's floor (SmolLM2, 32 sequences at 560 tokens: 826 MB of float32 K/V a step,
