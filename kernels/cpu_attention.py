@@ -34,6 +34,7 @@ from kernels.cpu_native import (
     native_kernels_by_default,
 )
 from kernels.paged_kv import PagedKV
+from kernels.quant import dequantized
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 PAGED_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
@@ -63,14 +64,6 @@ def decode_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torc
     visible = torch.arange(keys.shape[2], device=q.device)[None, :] < lengths[:, None]
     weights = scores.masked_fill(~visible[:, None, :], float("-inf")).softmax(-1)
     return torch.einsum("bht,bhtd->bhd", weights, v)
-
-
-def dequantized(stored: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
-    """Stored K or V [..., D] as float32: int8 times its row's scale [...], floats as they
-    are."""
-    if scales is None:
-        return stored.float()
-    return stored.float() * scales.float()[..., None]
 
 
 def native_kernel_available(kv_dtype: torch.dtype) -> bool:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.quant import dequantized
+
 
 @dataclass(frozen=True)
 class PagedKV:
@@ -59,7 +61,7 @@ class PagedKV:
         def gather(data: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
             rows = data.index_select(0, flat)
             if scale is not None:
-                rows = rows.float() * scale.index_select(0, flat).float()[..., None]
+                rows = dequantized(rows, scale.index_select(0, flat))
             return rows.to(dtype).view(shape)
 
         return gather(self.k, self.k_scale), gather(self.v, self.v_scale)

@@ -20,3 +20,11 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).clamp_(-INT8_MAX, INT8_MAX)
     return q.to(torch.int8), scale
 
+
+def dequantized(stored: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Stored K or V [..., D] as float32: int8 times its row's scale [...] (`quantize_int8`'s
+    inverse), floats as they are."""
+    if scales is None:
+        return stored.float()
+    return stored.float() * scales.float()[..., None]
+

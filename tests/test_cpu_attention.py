@@ -10,10 +10,9 @@ import torch
 from kernels.cpu_attention import (
     cpu_decode_attention,
     decode_attention_reference,
-    dequantized,
     native_kernel_available,
 )
-from kernels.quant import quantize_int8
+from kernels.quant import dequantized, quantize_int8
 
 
 @pytest.fixture(scope="module", autouse=True)

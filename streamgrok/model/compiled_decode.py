@@ -36,11 +36,10 @@ from kernels.background_compile import BackgroundCompiles
 from kernels.cpu_attention import (
     NATIVE_ATTENTION_ENV,  # noqa: F401  (the switch's name, for callers of this module)
     cpu_decode_attention,
-    dequantized,
     native_attention_by_default,
     native_kernel_available,
 )
-from kernels.quant import quantize_int8
+from kernels.quant import dequantized, quantize_int8
 from kernels.rotary import rotated
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.quantized import wait_native_int4

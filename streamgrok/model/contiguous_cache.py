@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_attention import KV_DTYPES, cpu_decode_attention, dequantized
+from kernels.cpu_attention import KV_DTYPES, cpu_decode_attention
 from kernels.cpu_native import NativeBuild
-from kernels.quant import quantize_int8
+from kernels.quant import dequantized, quantize_int8
 from kernels.rotary import apply_rotary
 from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
