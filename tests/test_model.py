@@ -170,9 +170,12 @@ def test_eager_decode_steps_attend_by_the_native_kernel(tiny, dtype, monkeypatch
 
 
 def test_an_unknown_kv_cache_dtype_is_a_clear_error():
-    from streamgrok.model.generate import kv_cache_dtype
+    from streamgrok.cli import CHAT_KV_DTYPES
+    from streamgrok.model.generate import KV_CACHE_DTYPES, kv_cache_dtype
 
     assert kv_cache_dtype("int8") == torch.int8
+    # the command line names them without importing torch: the same names
+    assert CHAT_KV_DTYPES == ("auto", *KV_CACHE_DTYPES)
     with pytest.raises(ValueError, match="unknown K/V cache dtype 'float16'"):
         kv_cache_dtype("float16")
 

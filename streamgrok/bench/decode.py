@@ -15,6 +15,7 @@ from pathlib import Path
 from streamgrok.bench.decode_worker import QUESTIONS
 from streamgrok.bench.llama_cpp_peer import PeerUnavailable, find_binaries, run_peer
 from streamgrok.bench.timing import measurement_env
+from streamgrok.model.generate import KV_CACHE_DTYPES
 from streamgrok.model.quantized import WEIGHT_FORMATS
 
 AGREEMENT_TOKENS = 512
@@ -38,9 +39,10 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
     weights = ["f32", *[w for w in weights if w != "f32"]]  # the accuracy reference first
     for column in weights:
         fmt, _, kv = column.partition(":")
-        if fmt not in WEIGHT_FORMATS or (kv and kv not in ("float32", "bfloat16", "int8")):
+        if fmt not in WEIGHT_FORMATS or (kv and kv not in KV_CACHE_DTYPES):
             raise ValueError(f"unknown format {column!r}: FORMAT or FORMAT:KV, FORMAT one of "
-                             f"{', '.join(WEIGHT_FORMATS)}, KV float32, bfloat16 or int8")
+                             f"{', '.join(WEIGHT_FORMATS)}, KV one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
     print(f"model {model_path.name}  threads {threads}  prefill {prompt_tokens} tokens  "
           f"batch 1 at {batch1_context} tokens, sequences at {context}+{steps} tokens  "
           f"median of {repeats} rounds, each system in turn; K/V cache {kv_dtype}; "

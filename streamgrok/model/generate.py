@@ -27,12 +27,16 @@ class Generation:
     finish_reason: str  # "stop" or "length"
 
 
+# the contiguous cache's K/V dtypes by name (int8 with a scale per token and head)
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+
+
 def kv_cache_dtype(name: str) -> torch.dtype:
     """The contiguous cache's K/V dtype called `name`: float32, bfloat16 or int8."""
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
-    if name not in dtypes:
-        raise ValueError(f"unknown K/V cache dtype {name!r} (choose from {', '.join(dtypes)})")
-    return dtypes[name]
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown K/V cache dtype {name!r} "
+                         f"(choose from {', '.join(KV_CACHE_DTYPES)})")
+    return KV_CACHE_DTYPES[name]
 
 
 class Generator:
