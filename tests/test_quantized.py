@@ -4,6 +4,8 @@ like the float one."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from helpers import random_model, tiny_config, write_gguf
@@ -119,6 +121,41 @@ def test_quantizing_while_loading_equals_quantizing_the_loaded_model(tmp_path, w
     ids = torch.randint(0, config.vocab_size, (40,))
     outs = []
     for model in (streamed.model, afterwards):
+        cache = ContiguousKVCache(config, 1, 40, torch.float32, "cpu")
+        outs.append(model(ids, BatchMetadata.build([0], [40], "cpu"), cache))
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("weights", ["q8", "q4"])
+def test_a_tied_table_is_quantized_as_it_is_read_not_kept_under_the_load(tmp_path, weights):
+    """The float embedding table of a tied model (the largest tensor of a small model) becomes
+    the int8 table and the quantized head when it is read: no float copy stays while the
+    other tensors load, and the model equals quantizing the float one afterwards."""
+    config = tiny_config(max_positions=128, hidden_size=128, intermediate_size=256,
+                         head_dim=32, tie_embeddings=True)
+    path = write_gguf(tmp_path / "tiny.gguf", random_model(config))
+    contents = open_gguf(path)
+    table: weakref.ref | None = None
+    kept: list[bool] = []  # whether the float table was alive as each later tensor came
+
+    def tensors():
+        nonlocal table
+        for name, tensor in iter_state_dict(contents, torch.float32):
+            if table is not None:
+                kept.append(table() is not None)
+            if name == "embed.weight":
+                table = weakref.ref(tensor)
+            yield name, tensor
+
+    streamed = build_model(contents.config, tensors(), "cpu", weights)
+    # while the next tensor is read, the loader's loop (enumerate) still holds the last one
+    assert len(kept) > 4 and not any(kept[1:])
+    assert isinstance(streamed.embed, Int8Embedding)
+    afterwards = quantize_model(load_model(path, fuse=False).model, weights)
+    torch.testing.assert_close(streamed.embed.values, afterwards.embed.values)
+    ids = torch.randint(0, config.vocab_size, (40,))
+    outs = []
+    for model in (streamed, afterwards):
         cache = ContiguousKVCache(config, 1, 40, torch.float32, "cpu")
         outs.append(model(ids, BatchMetadata.build([0], [40], "cpu"), cache))
     torch.testing.assert_close(outs[0], outs[1], atol=2e-2, rtol=2e-2)

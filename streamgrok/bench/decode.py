@@ -43,7 +43,8 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
             raise ValueError(f"unknown format {column!r}: FORMAT or FORMAT:KV, FORMAT one of "
                              f"{', '.join(WEIGHT_FORMATS)}, KV one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")
-    print(f"model {model_path.name}  threads {threads}  prefill {prompt_tokens} tokens  "
+    print(f"model {model_path.name}  torch {torch.__version__}  threads {threads}  "
+          f"prefill {prompt_tokens} tokens  "
           f"batch 1 at {batch1_context} tokens, sequences at {context}+{steps} tokens  "
           f"median of {repeats} rounds, each system in turn; K/V cache {kv_dtype}; "
           f"accuracy teacher-forced over {AGREEMENT_TOKENS} tokens of prose and as "

@@ -25,6 +25,8 @@ from streamgrok.model.quantized import (
     quantize_embedding,
     quantized_rows,
 )
+from streamgrok.model.quantized_embedding import Int8Embedding
+from streamgrok.model.quantized_embedding import fits as embedding_fits
 from streamgrok.model.smoothing import Smoothing, calibration_ids, smoothing_for
 from streamgrok.model.tokenizer import Tokenizer
 from streamgrok.runtime import release_free_memory
@@ -91,12 +93,23 @@ def build_model(
     state: dict[str, torch.Tensor] = {}
     packed = _PackedAsRead(config.num_layers, fuse, int8_activations=weights == "w8a8")
     rescaled = smoothing.rescaled if smoothing is not None else (lambda _, tensor: tensor)
+    embedding: Int8Embedding | None = None
     for index, (name, tensor) in enumerate(tensors):
         if quantize and name in linears:
             _check_shape(model, name, tensor)
             packed.add(name, quantized_rows(rescaled(name, tensor.to(device)), weights))
             if index % TRIM_EVERY_TENSORS == 0:
                 release_free_memory()
+        elif quantize and name == "embed.weight" and embedding_fits(tensor.shape[-1]):
+            # the float table (SmolLM2's: 113 MB) is quantized as it arrives, a tied head
+            # from it first, instead of staying in memory under every other tensor's load
+            _check_shape(model, name, tensor)
+            table = rescaled(name, tensor.to(device))
+            if config.tie_embeddings:
+                packed.add("output.weight", quantized_rows(table, weights))
+            embedding = Int8Embedding.of(table)
+            del table, tensor
+            release_free_memory()
         else:
             state[name] = rescaled(name, tensor.to(device))
     if config.tie_embeddings and "output.weight" not in state and \
@@ -105,7 +118,8 @@ def build_model(
             packed.add("output.weight", quantized_rows(state["embed.weight"], weights))
         else:
             state.setdefault("output.weight", state.get("embed.weight"))
-    _check_names(model, config, set(state) | packed.names)
+    _check_names(model, config, set(state) | packed.names |
+                 ({"embed.weight"} if embedding is not None else set()))
     for name, tensor in state.items():
         _check_shape(model, name, tensor)
     if not quantize:
@@ -118,6 +132,8 @@ def build_model(
         return model.eval().requires_grad_(False)
     model.load_state_dict(state, assign=True, strict=False)
     packed.install(model, state)
+    if embedding is not None:
+        model.embed = embedding
     if wide_head:
         keep_wide_head(model)
     quantize_embedding(model)
