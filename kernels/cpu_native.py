@@ -77,6 +77,8 @@ def _build_and_register() -> None:
     torch.library.register_fake("streamgrok_cpu::scale_products", _fake_scale_products)
     torch.library.register_fake("streamgrok_cpu::swiglu_quantize_rows", _fake_swiglu)
     torch.library.register_fake("streamgrok_cpu::int4_linear", _fake_int4_linear)
+    torch.library.register_fake("streamgrok_cpu::int4_unpack_transposed",
+                                _fake_int4_unpack_transposed)
 
 
 def _cpu_flags() -> str:
@@ -157,3 +159,8 @@ def _fake_swiglu(products: torch.Tensor, row_scales: torch.Tensor, col_scales: t
 def _fake_int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                       portable: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
+
+
+def _fake_int4_unpack_transposed(packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                                 dtype: torch.dtype) -> torch.Tensor:
+    return packed.new_empty((packed.shape[1] * 2, packed.shape[0]), dtype=dtype)

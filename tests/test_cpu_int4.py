@@ -129,16 +129,37 @@ def test_a_q4_model_shares_one_native_switch(monkeypatch):
     assert not wait_native_int4(quantize_model(random_model(tiny_config()), "q4"))
 
 
-def test_native_layers_keep_their_kernel_for_longer_chunks(native):
-    """The native kernel stays faster than dequantizing the weight up to a longer chunk than
-    PyTorch's kernel does: a chunk between the two thresholds multiplies natively."""
+def test_native_layers_dequantize_from_a_shorter_chunk(native):
+    """With the native kernels a chunk shorter than NATIVE_INT4_DEQUANTIZED_MIN_ROWS
+    multiplies by the int4 kernel, and one that long by the weight the native unpacking
+    builds (bfloat16 where the CPU has it), which equals PyTorch's unpacking."""
     if not native.in_use:
         pytest.skip("this CPU lacks AVX-512 VNNI/VBMI: int4 layers keep PyTorch's kernel")
+    assert NATIVE_INT4_DEQUANTIZED_MIN_ROWS < DEQUANTIZED_MIN_ROWS
     layer = int4_layer(128, 64, seed=10, matmul=native)
-    x = activation_rows((DEQUANTIZED_MIN_ROWS + NATIVE_INT4_DEQUANTIZED_MIN_ROWS) // 2, 64,
-                        seed=11)
+    x = activation_rows(NATIVE_INT4_DEQUANTIZED_MIN_ROWS - 1, 64, seed=11)
     exact = int4_linear_reference(x, layer.packed, layer.scales_and_zeros).double()
     assert ((layer(x).double() - exact).abs() <= level_error_bound(x, layer)).all()
     longer = activation_rows(NATIVE_INT4_DEQUANTIZED_MIN_ROWS, 64, seed=12)
-    dequantized = torch.matmul(longer.to(prefill_dtype()), layer._transposed(prefill_dtype()))
+    weight = unpacked_transposed(layer.packed, layer.scales_and_zeros).to(prefill_dtype())
+    dequantized = torch.matmul(longer.to(prefill_dtype()), weight)
     torch.testing.assert_close(layer(longer), dequantized.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (192, 576), (576, 1536)])
+def test_native_unpacking_equals_pytorchs(native, dtype, out_features, in_features):
+    """The native unpacking of the layout to W^T gives PyTorch's float32 unpacking, rounded
+    once to `dtype` (within one float32 rounding of it, which may move a bfloat16 tie)."""
+    layer = int4_layer(out_features, in_features, seed=13)
+    reference = unpacked_transposed(layer.packed, layer.scales_and_zeros)
+    unpacked = native.unpacked_transposed(layer.packed, layer.scales_and_zeros, dtype)
+    assert unpacked.dtype == dtype and unpacked.shape == (in_features, out_features)
+    pairs = layer.scales_and_zeros.double()  # [in / 32, out, (scale, zero)]
+    terms = (16 * pairs[..., 0].abs() + pairs[..., 1].abs()).repeat_interleave(GROUP, dim=0)
+    rounding = 2.0 ** -8 if dtype == torch.bfloat16 else 0.0  # half a bfloat16 step
+    bound = reference.double().abs() * rounding + terms * 2.0 ** -21
+    assert ((unpacked.double() - reference.double()).abs() <= bound).all()
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.streamgrok_cpu.int4_unpack_transposed(layer.packed, layer.scales_and_zeros,
+                                                        torch.float16)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu_int4 import BLOCK as Q4_CPU_BLOCK
-from kernels.cpu_int4 import Int4Matmul, unpacked_transposed
+from kernels.cpu_int4 import Int4Matmul
 from kernels.cpu_int8 import Int8Rows
 from streamgrok.model.quantized_embedding import Int8Embedding
 from streamgrok.model.quantized_embedding import fits as embedding_fits
@@ -35,10 +35,12 @@ QUANTIZE_BLOCK_ELEMENTS = 1 << 21  # weights quantized per block of rows (8 MB o
 # instead of the packed kernels, which are built for a few rows: 3072x576 at 512 rows,
 # 2 threads, int4 kernel 12.0 ms, dequantize + bfloat16 matmul 4.7 ms; they cross near 150.
 DEQUANTIZED_MIN_ROWS = 160
-# The same crossing for int4 layers on the native kernel (`kernels.cpu_int4`), which is
-# faster than PyTorch's: SmolLM2's 121 matmuls, 2 threads, native vs dequantized, 128 rows
-# 118 vs 270 ms, 192 rows 214 vs 387, 256 rows 230 vs 284, 320 rows 347 vs 363.
-NATIVE_INT4_DEQUANTIZED_MIN_ROWS = 256
+# The same crossing for int4 layers with the native kernels (`kernels.cpu_int4`), whose
+# matmul of a few rows is faster than PyTorch's and whose unpacking to bfloat16 is ~14x
+# faster than PyTorch's elementwise ops: SmolLM2's 121 matmuls, 2 threads, native matmul vs
+# native unpacking + bfloat16 matmul, 32 rows 33-35 vs 44-49 ms, 48 rows 47 vs 50-54, 64
+# rows 62-66 vs 46-52, 128 rows 124-129 vs 63-65, 256 rows 250 vs 83-88.
+NATIVE_INT4_DEQUANTIZED_MIN_ROWS = 64
 # A layer that keeps a bfloat16 copy (`Int8Linear.keep_wide`: the output head) multiplies by
 # it from this many rows: the weight-only int8 kernel dequantizes the whole weight for every
 # few rows (SmolLM2's 49152x576 head, 2 threads, AMX: 1 row 1.0 ms vs bfloat16 2.1 ms,
@@ -255,7 +257,10 @@ class Int4Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         native = self.unpacks and self.int4_matmul.serves(flat)
         dequantized_from = NATIVE_INT4_DEQUANTIZED_MIN_ROWS if native else DEQUANTIZED_MIN_ROWS
-        if self.unpacks and flat.shape[0] >= dequantized_from:
+        # a compiled decode step keeps the native kernel at every batch it serves (a branch
+        # on the rows would guard its dynamic batch size, and larger batches would run eager)
+        if self.unpacks and flat.shape[0] >= dequantized_from and not (
+                native and torch.compiler.is_compiling()):
             dtype = prefill_dtype()
             out = torch.matmul(flat.to(dtype), self._transposed(dtype)).to(x.dtype)
         elif native:  # the layout check (`unpacks`) passed: the native kernel reads it
@@ -277,7 +282,7 @@ class Int4Linear(nn.Module):
     def _transposed(self, dtype: torch.dtype) -> torch.Tensor:
         """W^T [in, out] in `dtype`, unpacked from PyTorch's CPU layout
         (`kernels.cpu_int4.unpacked_transposed`), a temporary for one prefill matmul."""
-        return unpacked_transposed(self.packed, self.scales_and_zeros, dtype)
+        return self.int4_matmul.unpacked_transposed(self.packed, self.scales_and_zeros, dtype)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight as the kernels see it, [out, in] (on CPU unpacked where the layout is
