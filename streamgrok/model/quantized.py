@@ -38,9 +38,9 @@ DEQUANTIZED_MIN_ROWS = 160
 # The same crossing for int4 layers with the native kernels (`kernels.cpu_int4`), whose
 # matmul of a few rows is faster than PyTorch's and whose unpacking to bfloat16 is ~14x
 # faster than PyTorch's elementwise ops: SmolLM2's 121 matmuls, 2 threads, native matmul vs
-# native unpacking + bfloat16 matmul, 32 rows 33-35 vs 44-49 ms, 48 rows 47 vs 50-54, 64
-# rows 62-66 vs 46-52, 128 rows 124-129 vs 63-65, 256 rows 250 vs 83-88.
-NATIVE_INT4_DEQUANTIZED_MIN_ROWS = 64
+# native unpacking + bfloat16 matmul, 32 rows 19-21 vs 46-51 ms, 64 rows 44-49 vs 54-59, 96
+# rows 69-73 vs 60-67, 128 rows 82-111 vs 69-75, 256 rows 176-187 vs 89-95.
+NATIVE_INT4_DEQUANTIZED_MIN_ROWS = 96
 # A layer that keeps a bfloat16 copy (`Int8Linear.keep_wide`: the output head) multiplies by
 # it from this many rows: the weight-only int8 kernel dequantizes the whole weight for every
 # few rows (SmolLM2's 49152x576 head, 2 threads, AMX: 1 row 1.0 ms vs bfloat16 2.1 ms,
