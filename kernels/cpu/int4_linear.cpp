@@ -26,7 +26,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -259,25 +258,32 @@ void block_vnni(const QuantizedRows& x, int64_t rows, const uint8_t* weights,
 
 #endif
 
+// That `packed` and `scales_and_zeros` are the layout of a weight [out, in_features].
+void check_layout(const char* op, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                  int64_t in_features) {
+  const int64_t out_features = packed.size(0);
+  TORCH_CHECK(in_features % kGroup == 0 && out_features % kBlock == 0, op,
+              ": needs input sizes divisible by ", kGroup, " and output sizes by ", kBlock,
+              ", got ", out_features, "x", in_features);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte &&
+                  packed.size(1) == in_features / 2,
+              op, ": packed must be uint8 [", out_features, ", ", in_features / 2, "], got ",
+              packed.scalar_type(), " ", packed.sizes());
+  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 &&
+                  scales_and_zeros.sizes() ==
+                      at::IntArrayRef({in_features / kGroup, out_features, 2}),
+              op, ": scales_and_zeros must be bfloat16 [", in_features / kGroup, ", ",
+              out_features, ", 2], got ", scales_and_zeros.scalar_type(), " ",
+              scales_and_zeros.sizes());
+}
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& scales_and_zeros, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "int4_linear: x must be a 2-d float32 CPU tensor, got ", x.scalar_type(), " ",
               x.sizes());
   const int64_t rows = x.size(0), width = x.size(1), out_features = packed.size(0);
-  TORCH_CHECK(width % kGroup == 0 && out_features % kBlock == 0,
-              "int4_linear: needs input sizes divisible by ", kGroup, " and output sizes by ",
-              kBlock, ", got ", out_features, "x", width);
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte &&
-                  packed.size(1) == width / 2,
-              "int4_linear: packed must be uint8 [", out_features, ", ", width / 2, "], got ",
-              packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 &&
-                  scales_and_zeros.sizes() ==
-                      at::IntArrayRef({width / kGroup, out_features, 2}),
-              "int4_linear: scales_and_zeros must be bfloat16 [", width / kGroup, ", ",
-              out_features, ", 2], got ", scales_and_zeros.scalar_type(), " ",
-              scales_and_zeros.sizes());
+  check_layout("int4_linear", packed, scales_and_zeros, width);
   const at::Tensor input = x.contiguous(), weights = packed.contiguous();
   const at::Tensor pairs = scales_and_zeros.contiguous();
   const QuantizedRows quantized(input.data_ptr<float>(), rows, width);
@@ -305,17 +311,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
-// A float32 value as bfloat16's bits, rounded to nearest even (the weights are finite).
-inline uint16_t to_bfloat16_bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 // Block `block` of the layout as columns 64 block .. 64 block + 63 of W^T [in, out]: a group's
 // 64 scales and zeros made floats once, then each of its 32 inputs' row of 64 weights, which
-// the compiler vectorizes. `Out` is float or bfloat16's bits.
+// the compiler vectorizes. `Out` is float or at::BFloat16 (rounded to nearest even).
 template <typename Out>
 void unpack_block(const uint8_t* weights, const uint16_t* scales_zeros, int64_t in_features,
                   int64_t out_features, int64_t block, Out* out) {
@@ -334,13 +332,8 @@ void unpack_block(const uint8_t* weights, const uint16_t* scales_zeros, int64_t 
         const float low = static_cast<float>(bytes[c] & 15) * scale[c] + zero[c];
         const float high =
             static_cast<float>(bytes[c] >> 4) * scale[c + kBlock / 2] + zero[c + kBlock / 2];
-        if constexpr (std::is_same_v<Out, float>) {
-          row[c] = low;
-          row[c + kBlock / 2] = high;
-        } else {
-          row[c] = to_bfloat16_bits(low);
-          row[c + kBlock / 2] = to_bfloat16_bits(high);
-        }
+        row[c] = static_cast<Out>(low);
+        row[c + kBlock / 2] = static_cast<Out>(high);
       }
     }
   }
@@ -354,15 +347,7 @@ at::Tensor int4_unpack_transposed(const at::Tensor& packed, const at::Tensor& sc
               "int4_unpack_transposed: packed must be a 2-d uint8 CPU tensor, got ",
               packed.scalar_type(), " ", packed.sizes());
   const int64_t out_features = packed.size(0), in_features = packed.size(1) * 2;
-  TORCH_CHECK(in_features % kGroup == 0 && out_features % kBlock == 0,
-              "int4_unpack_transposed: needs input sizes divisible by ", kGroup,
-              " and output sizes by ", kBlock, ", got ", out_features, "x", in_features);
-  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 &&
-                  scales_and_zeros.sizes() ==
-                      at::IntArrayRef({in_features / kGroup, out_features, 2}),
-              "int4_unpack_transposed: scales_and_zeros must be bfloat16 [",
-              in_features / kGroup, ", ", out_features, ", 2], got ",
-              scales_and_zeros.scalar_type(), " ", scales_and_zeros.sizes());
+  check_layout("int4_unpack_transposed", packed, scales_and_zeros, in_features);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "int4_unpack_transposed: dtype must be float32 or bfloat16, got ", dtype);
   const at::Tensor weights = packed.contiguous(), pairs = scales_and_zeros.contiguous();
@@ -377,7 +362,7 @@ at::Tensor int4_unpack_transposed(const at::Tensor& packed, const at::Tensor& sc
                      out.data_ptr<float>());
       else
         unpack_block(w + block * block_bytes, sz, in_features, out_features, block,
-                     reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+                     out.data_ptr<at::BFloat16>());
     }
   });
   return out;
