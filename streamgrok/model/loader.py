@@ -22,7 +22,6 @@ from streamgrok.model.quantized import (
     WEIGHT_FORMATS,
     QuantizedRows,
     keep_wide_head,
-    quantize_embedding,
     quantized_rows,
 )
 from streamgrok.model.quantized_embedding import Int8Embedding
@@ -136,7 +135,6 @@ def build_model(
         model.embed = embedding
     if wide_head:
         keep_wide_head(model)
-    quantize_embedding(model)
     return model.eval().requires_grad_(False)
 
 
