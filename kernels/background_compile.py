@@ -90,6 +90,25 @@ class BackgroundCompiles:
             atexit.unregister(threading.current_thread().join)
 
 
+class LazyCompile:
+    """`torch.compile(function, **options)`, made on the first call: making it imports the
+    compiler (dynamo and inductor, ~1400 modules and over 100 MB resident), which a process
+    that never compiles (its decode steps native, say) should not carry."""
+
+    def __init__(self, function: Callable, **options: object) -> None:
+        self._function = function
+        self._options = options
+        self._compiled: Callable | None = None
+        self._lock = threading.Lock()  # one torch.compile, whichever thread calls first
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    self._compiled = torch.compile(self._function, **self._options)
+        return self._compiled(*args, **kwargs)
+
+
 # ((grad enabled, inference mode), which inputs are inference tensors)
 CallContext = tuple[tuple[bool, bool], tuple[bool, ...]]
 

@@ -8,12 +8,27 @@ dequantized in registers with their per-(token, head) scale.
 from __future__ import annotations
 
 import os
+import sys
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with torch here
-    triton = None
+import torch
+
+
+def triton_wanted() -> bool:
+    """Whether Triton's kernels can run in this process: on a CUDA device, interpreted on
+    the CPU (TRITON_INTERPRET=1, set before the kernels are imported: tests), or compiled
+    ahead of time by a caller that imported Triton first (`kernels.aot`). Elsewhere the
+    package is not imported: its compiler library alone is ~70 MB resident."""
+    return (os.environ.get("TRITON_INTERPRET") == "1" or "triton" in sys.modules
+            or torch.cuda.is_available())
+
+
+triton = None
+if triton_wanted():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - triton ships with torch's CUDA builds
+        triton = None
 
 if triton is not None:
 

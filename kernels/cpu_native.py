@@ -2,7 +2,8 @@
 
 The extension holds the attention kernels (`kernels.cpu_attention`), the float sides of
 w8a8's integer matmuls (`kernels.cpu_int8`) and the int4 matmul of a few rows
-(`kernels.cpu_int4`). It is built with PyTorch's C++ extension
+(`kernels.cpu_int4`), and a whole int4 decode step through them
+(`streamgrok.model.native_decode`). It is built with PyTorch's C++ extension
 builder (the C++ compiler inductor needs anyway), for this machine's instruction set (the
 build's name carries a hash of the sources and of the CPU's flags, so a cache shared between
 machines never runs code built for another), and its kernels are dispatcher ops under
@@ -30,8 +31,9 @@ from kernels.background_compile import BackgroundCompiles, import_compiler_quiet
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = tuple(SOURCE_DIR / name for name in (
-    "decode_attention.cpp", "paged_attention.cpp", "int8_rows.cpp", "int4_linear.cpp"))
-HEADERS = (SOURCE_DIR / "attention_math.h",)
+    "decode_attention.cpp", "paged_attention.cpp", "int8_rows.cpp", "int4_linear.cpp",
+    "decode_step.cpp"))
+HEADERS = (SOURCE_DIR / "attention_math.h", SOURCE_DIR / "native_ops.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _BUILD_LOCK = threading.Lock()  # one build and registration, whichever thread asks first
 # "0": the PyTorch paths instead of the native kernels (the name predates the int8 kernels)

@@ -20,6 +20,7 @@ import torch
 from kernels.background_compile import (
     BackgroundCompiles,
     CallContext,
+    LazyCompile,
     call_context,
     in_autograd_mode,
     stand_in,
@@ -69,7 +70,7 @@ class PagedReader:
         if compiled is None:
             compiled = compiled_reads_by_default()
         if compiled and hasattr(torch, "compile"):
-            self._function = torch.compile(read_rotated, dynamic=True)
+            self._function = LazyCompile(read_rotated, dynamic=True)
         self._compiles = BackgroundCompiles("paged K/V reads")
 
     @property

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "attention_math.h"
+#include "native_ops.h"
 
 namespace {
 
@@ -178,10 +179,8 @@ void attend_all(const float* q, const KV* keys, const KV* values, const at::Half
 
 }  // namespace
 
-// q [B, H, D] float32; keys, values [B, KVH, capacity, D] float32, bfloat16 or int8,
-// contiguous; for int8, key_scales and value_scales [B, KVH, capacity] float16 (a value is
-// int8 * its row's scale); lengths [B] int64 (row b attends to positions < lengths[b],
-// 1 <= lengths[b] <= capacity).
+namespace streamgrok_cpu {
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys,
                             const at::Tensor& values, const at::Tensor& lengths, double scale,
                             const c10::optional<at::Tensor>& key_scales,
@@ -242,10 +241,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys,
   return out;
 }
 
+}  // namespace streamgrok_cpu
+
 // A dispatcher op, not a Python function: a compiled graph calls it without Python in between.
 TORCH_LIBRARY(streamgrok_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor keys, Tensor values, Tensor lengths, float scale,"
         " Tensor? key_scales=None, Tensor? value_scales=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) { m.impl("decode_attention", &streamgrok_cpu::decode_attention); }

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "attention_math.h"
+#include "native_ops.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -277,6 +278,10 @@ void check_layout(const char* op, const at::Tensor& packed, const at::Tensor& sc
               scales_and_zeros.sizes());
 }
 
+}  // namespace
+
+namespace streamgrok_cpu {
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& scales_and_zeros, bool portable) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
@@ -310,6 +315,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
   });
   return out;
 }
+
+}  // namespace streamgrok_cpu
+
+namespace {
 
 // Block `block` of the layout as columns 64 block .. 64 block + 63 of W^T [in, out]: a group's
 // 64 scales and zeros made floats once, then each of its 32 inputs' row of 64 weights, which
@@ -387,6 +396,6 @@ TORCH_LIBRARY_FRAGMENT(streamgrok_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) {
-  m.impl("int4_linear", &int4_linear);
+  m.impl("int4_linear", &streamgrok_cpu::int4_linear);
   m.impl("int4_unpack_transposed", &int4_unpack_transposed);
 }

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "native_ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -21,12 +23,9 @@ constexpr int64_t kRowsPerTask = 4;
 // integer, ties to even, as torch.round does, in vector registers (nearbyint is a libm call).
 constexpr float kRoundingShift = 12582912.f;
 
-// The row functions are built without fast math, so the division stays a division (not a
-// multiply by 1/s), the rounding shift is not folded away and nothing is contracted into an
-// FMA: the results are the reference's bit for bit. (Within them only builtins and plain
-// expressions: a library call would not be inlined across the changed options, and would
-// keep the loop from vectorizing.)
-#define STREAMGROK_EXACT __attribute__((optimize("no-fast-math", "fp-contract=off")))
+// The row functions are STREAMGROK_EXACT (native_ops.h): the division stays a division (not
+// a multiply by 1/s), the rounding shift is not folded away and nothing is contracted into an
+// FMA, so the results are the reference's bit for bit.
 
 // levels = round(x / s) clamped to [-127, 127], s = max(max|x|, 1e-8) / 127.
 STREAMGROK_EXACT void quantize_row(const float* x, int64_t width, int8_t* levels,

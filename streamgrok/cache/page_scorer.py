@@ -20,6 +20,7 @@ import torch
 from kernels.background_compile import (
     BackgroundCompiles,
     CallContext,
+    LazyCompile,
     call_context,
     in_autograd_mode,
     stand_in,
@@ -66,7 +67,7 @@ class PageScorer:
             compiled = compiled_reads_by_default()
         self._function: ScoreFn | None = None
         if compiled and hasattr(torch, "compile"):
-            self._function = torch.compile(layer_page_scores, dynamic=True)
+            self._function = LazyCompile(layer_page_scores, dynamic=True)
         self._compiles = BackgroundCompiles("recall page scoring")
 
     @property

@@ -16,6 +16,11 @@ the compiler. Where a step is not of the compiled kind (prefill, frame embedding
 that is not every slot of the cache, a cache without `decode_view`, CUDA tensors) it runs
 eagerly; the eager model is the oracle. STREAMGROK_COMPILED_DECODE=0 turns it off.
 
+A model whose projections are all native int4 layers (`--weights q4`) is not compiled: its
+steps run as one native call (`streamgrok.model.native_decode`), chosen in the same
+background step once the native kernels are built, so such a process never imports the
+compiler.
+
 The contiguous cache (one-shot generation, `streamgrok chat`, `bench decode`) gives decode
 views; the engine's paged streaming cache does not yet (its attention keeps Python-side
 page plans and eviction scores), so live sessions decode eagerly.
@@ -32,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from kernels.background_compile import BackgroundCompiles
+from kernels.background_compile import BackgroundCompiles, LazyCompile
 from kernels.cpu_attention import (
     NATIVE_ATTENTION_ENV,  # noqa: F401  (the switch's name, for callers of this module)
     cpu_decode_attention,
@@ -42,6 +47,7 @@ from kernels.cpu_attention import (
 from kernels.quant import dequantized, quantize_int8
 from kernels.rotary import rotated
 from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.native_decode import NativeDecodeStep, native_step_fits
 from streamgrok.model.quantized import wait_native_int4
 from streamgrok.runtime import release_free_memory
 
@@ -172,10 +178,13 @@ class CompiledDecode:
         """`enabled`: None follows `compiled_decode_by_default()`."""
         if enabled is None:
             enabled = compiled_decode_by_default()
-        self._function = torch.compile(_own_copy(decode_graph)) \
+        # made on first use: a model whose steps run natively never imports the compiler
+        self._function = LazyCompile(_own_copy(decode_graph)) \
             if enabled and hasattr(torch, "compile") else None
         self._compiles = BackgroundCompiles("decode")
         self.native_attention = False  # whether the compiled steps attend by the native kernel
+        # the whole step as one native call (int4 models), chosen instead of compiling
+        self.native_step: NativeDecodeStep | None = None
         self.compiled_steps = 0  # steps that ran compiled
         self.eager_fallbacks = 0  # compiled-kind steps the compiled graph did not fit
 
@@ -221,6 +230,8 @@ class CompiledDecode:
         view = backend.decode_view(batch)
         if view is None:
             return None
+        if self.native_step is not None:
+            return self._run_native(model, input_ids, batch, view)
         with torch.inference_mode():  # the stand-ins' kind, whatever the caller's tensors
             ids = input_ids.clone()
             view = DecodeView(view.keys, view.values, view.positions.clone(),
@@ -237,6 +248,19 @@ class CompiledDecode:
             logits = logits.index_select(0, batch.logit_rows)
         return logits
 
+    def _run_native(self, model: Transformer, input_ids: torch.Tensor, batch: BatchMetadata,
+                    view: DecodeView) -> torch.Tensor | None:
+        try:
+            with torch.inference_mode():
+                logits = self.native_step(model, input_ids, view)
+        except Exception as error:  # a cache the native step does not take: eager
+            self._fell_back(error)
+            return None
+        self.compiled_steps += 1
+        if batch.logit_rows is not None:
+            logits = logits.index_select(0, batch.logit_rows)
+        return logits
+
     def _fell_back(self, error: Exception) -> None:
         if not self.eager_fallbacks:
             log.warning("a decode step ran eagerly: the compiled one does not fit it (%s: %s)",
@@ -245,12 +269,16 @@ class CompiledDecode:
 
 
     def _compile(self, function, model: Transformer, backend: DecodeViewSource) -> None:
-        """Build the native attention kernel if it serves this cache, then trace both graphs
-        on stand-ins of the backend's kind."""
+        """Build the native attention kernel if it serves this cache; then take the native
+        step where the model fits it (`native_step_fits`), else trace both graphs on
+        stand-ins of the backend's kind."""
         like = backend.decode_like
         self.native_attention = native_attention_by_default() and \
             native_kernel_available(like.dtype)
         wait_native_int4(model)  # the graphs call the kernel its int4 layers will use
+        if self.native_attention and native_step_fits(model, like.dtype):
+            self.native_step = NativeDecodeStep(model)
+            return
         tokens, several = _stand_in_sizes(model)
         for batch in (1, several):
             ids, view = _stand_ins(model, like, batch, tokens)

@@ -19,6 +19,25 @@ from streamgrok.model.config import ModelConfig
 from streamgrok.model.quantized import swiglu_w8a8
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` whose weight, on the meta device (a model built before its weights are
+    read), is left uninitialised: PyTorch's random fills of meta tensors are Python refs that
+    import the compiler (dynamo, ~1400 modules, over 100 MB resident) for values that do not
+    exist."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` left uninitialised on the meta device, as `Linear`."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32, through `ops` (fused on GPU)."""
 
@@ -49,10 +68,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
-        self.wq = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
-        self.wk = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
-        self.wv = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
-        self.wo = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.wq = Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
+        self.wk = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.wv = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.wo = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.wqkv: nn.Module | None = None  # q, k and v in one matmul (see fuse_projections)
 
     def forward(
@@ -78,9 +97,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.w_up = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w_gate = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w_up = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w_down = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.w_gate_up: nn.Module | None = None  # gate and up in one matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,12 +136,12 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.kernels = KernelOps()  # Triton on CUDA, PyTorch elsewhere; tests may force one
         self.compiled_decode = CompiledDecode()  # CPU decode steps as one graph, once compiled
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.output = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.embed.weight
 
@@ -214,7 +233,7 @@ def _concatenated(parts: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([p.weight.detach() for p in parts])
     has_bias = parts[0].bias is not None
     # built on meta: its own weight (and bias) are replaced at once, never initialised
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta",
+    fused = Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta",
                       dtype=weight.dtype)
     fused.weight = nn.Parameter(weight.t().contiguous().t() if weight.device.type == "cpu"
                                 else weight, requires_grad=False)

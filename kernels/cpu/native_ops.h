@@ -1,0 +1,30 @@
+// The native kernels one another calls directly (decode_step.cpp runs a whole decode step
+// through them, without the dispatcher between the calls).
+#pragma once
+
+#include <ATen/ATen.h>
+
+// Builds a function without fast math, for arithmetic that must equal PyTorch's reference
+// bit for bit: a division stays a division (not a multiply by the inverse), rounding tricks
+// are not folded away and nothing is contracted into an FMA. (Within such functions only
+// builtins and plain expressions: a library call would not be inlined across the changed
+// options, and would keep a loop from vectorizing.)
+#define STREAMGROK_EXACT __attribute__((optimize("no-fast-math", "fp-contract=off")))
+
+namespace streamgrok_cpu {
+
+// x [rows, in] float32 times W^T, W [out, in] in PyTorch's CPU int4 layout (int4_linear.cpp;
+// the contract and the reference in kernels/cpu_int4.py): [rows, out] float32.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
+                       const at::Tensor& scales_and_zeros, bool portable);
+
+// q [B, H, D] float32; keys, values [B, KVH, capacity, D] float32, bfloat16 or int8,
+// contiguous; for int8, key_scales and value_scales [B, KVH, capacity] float16 (a value is
+// int8 * its row's scale); lengths [B] int64 (row b attends to positions < lengths[b],
+// 1 <= lengths[b] <= capacity): [B, H, D] float32 (decode_attention.cpp).
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys,
+                            const at::Tensor& values, const at::Tensor& lengths, double scale,
+                            const c10::optional<at::Tensor>& key_scales,
+                            const c10::optional<at::Tensor>& value_scales);
+
+}  // namespace streamgrok_cpu

@@ -1,0 +1,86 @@
+"""Decode steps of an int4 model on the CPU as one native call (`kernels/cpu/decode_step.cpp`).
+
+A model whose projections and output head are all int4 layers on the native int4 kernel
+(`--weights q4`, the format a CPU server runs) decodes through `NativeDecodeStep`: the token
+embeddings are looked up here, and everything after them, every layer's norms, matmuls,
+rotary, K/V store writes, attention, SwiGLU and residuals, then the final norm and the head,
+is one call of a C++ op that calls the native int4 matmul and attention kernels directly. It
+does what `compiled_decode.decode_graph` does under torch.compile, without the compiler in
+the process: dynamo and inductor, which a compiled step keeps resident (SmolLM2 q4 with an
+int8 cache at 32 sequences of 524 tokens, `bench decode`'s worker: peak RSS 1231 -> 938-947
+MB against llama.cpp's 692), and without a compiled step's guard check and Python wrapper
+(batch 1: 3.6-3.8 -> 2.5-3.0 ms a step). The eager model is its reference
+(tests/test_native_decode.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.cpu_attention import KV_DTYPES
+from streamgrok.model.quantized import Int4Linear
+
+if TYPE_CHECKING:
+    from streamgrok.model.compiled_decode import DecodeView
+    from streamgrok.model.llama import Transformer
+
+
+def _native_int4(layer: object, bias_allowed: bool = False) -> bool:
+    """Whether `layer` is an int4 layer the native kernel multiplies by."""
+    return (isinstance(layer, Int4Linear) and layer.unpacks and layer.int4_matmul.in_use
+            and (bias_allowed or layer.bias is None))
+
+
+def native_step_fits(model: Transformer, kv_dtype: torch.dtype) -> bool:
+    """Whether `model`'s decode steps over a cache of `kv_dtype` can run as `NativeDecodeStep`:
+    float32 activations, fused q/k/v and gate/up, every projection and the head int4 on the
+    native kernel (built and vectorized: `wait_native_int4` first), q/k/v biases at most."""
+    if kv_dtype not in KV_DTYPES or model.dtype != torch.float32 or \
+            model.config.head_dim % 2 or not _native_int4(model.output):
+        return False
+    for block in model.layers:
+        attn, ffn = block.attn, block.ffn
+        if not (_native_int4(attn.wqkv, bias_allowed=True) and _native_int4(attn.wo)
+                and _native_int4(ffn.w_gate_up) and _native_int4(ffn.w_down)):
+            return False
+        if any(norm.weight.dtype != torch.float32 for norm in (block.attn_norm, block.ffn_norm)):
+            return False
+    return model.norm.weight.dtype == torch.float32
+
+
+class NativeDecodeStep:
+    """One model's decode step as the native op; the model's tensors gathered once (check
+    `native_step_fits` first)."""
+
+    def __init__(self, model: Transformer) -> None:
+        weights: list[torch.Tensor] = []
+        biases: list[torch.Tensor] = []
+        for block in model.layers:
+            attn, ffn = block.attn, block.ffn
+            weights += [block.attn_norm.weight.contiguous(),
+                        attn.wqkv.packed, attn.wqkv.scales_and_zeros,
+                        attn.wo.packed, attn.wo.scales_and_zeros,
+                        block.ffn_norm.weight.contiguous(),
+                        ffn.w_gate_up.packed, ffn.w_gate_up.scales_and_zeros,
+                        ffn.w_down.packed, ffn.w_down.scales_and_zeros]
+            if attn.wqkv.bias is not None:
+                biases.append(attn.wqkv.bias.float().contiguous())
+        weights += [model.norm.weight.contiguous(), model.output.packed,
+                    model.output.scales_and_zeros]
+        self.weights = weights
+        self.biases = biases
+        self.num_heads = model.config.num_heads
+        self.num_kv_heads = model.config.num_kv_heads
+        self.eps = model.norm.eps
+
+    def __call__(self, model: Transformer, input_ids: torch.Tensor, view: DecodeView
+                 ) -> torch.Tensor:
+        """Logits [batch, vocab] float32 of one decode step of the batch in `view` (whose
+        stores it writes at the new positions, as the compiled step does)."""
+        embedded = model.embed(input_ids).float()
+        return torch.ops.streamgrok_cpu.decode_step(
+            embedded, self.weights, self.biases, view.keys, view.values,
+            view.key_scales or [], view.value_scales or [], view.positions,
+            view.cos.float(), view.sin.float(), self.num_heads, self.num_kv_heads, self.eps)

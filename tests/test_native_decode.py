@@ -1,0 +1,193 @@
+"""The native decode step (an int4 model's whole decode step as one C++ call) gives the eager
+model's logits and cache contents, is taken instead of compiling where the model fits it,
+refuses what it cannot take (the step then runs eagerly), and a process decoding with it
+never imports the compiler or Triton."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_model, tiny_config
+
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.compiled_decode import NATIVE_ATTENTION_ENV, CompiledDecode
+from streamgrok.model.contiguous_cache import ContiguousKVCache
+from streamgrok.model.llama import fuse_projections
+from streamgrok.model.native_decode import native_step_fits
+from streamgrok.model.quantized import quantize_model, wait_native_int4
+
+VOCAB = 320  # whole blocks of 64 output rows: the head is a native int4 layer
+
+
+def q4_model(bias: bool = False, vocab: int = VOCAB):
+    """A tiny fused q4 model on the native int4 kernel."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(NATIVE_ATTENTION_ENV, "1")
+        config = tiny_config(vocab_size=vocab, attention_bias=bias)
+        model = quantize_model(fuse_projections(random_model(config)), "q4")
+    assert wait_native_int4(model, timeout=900), "the native int4 kernel is off"
+    return model
+
+
+@pytest.fixture(scope="module", params=["kv32", "kv8", "kv8 bias", "bf16"])
+def native_model(request):
+    """A q4 model whose decode steps run natively, and its caches' K/V dtype."""
+    kv_name, *flags = request.param.split(" ")
+    kv_dtype = {"kv32": torch.float32, "kv8": torch.int8, "bf16": torch.bfloat16}[kv_name]
+    model = q4_model(bias="bias" in flags)
+    model.compiled_decode = CompiledDecode(enabled=True)
+    cache = ContiguousKVCache(model.config, 1, 40, kv_dtype)
+    decode = model.compiled_decode
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        patch.setenv(NATIVE_ATTENTION_ENV, "1")  # the suite's default is off
+        model(torch.tensor([5, 6, 7]), BatchMetadata.build([0], [3]), cache)
+        model(torch.tensor([8]), BatchMetadata.build([0], [1]), cache)  # starts choosing
+        assert decode.wait_compiled(timeout=900), decode.compile_error
+    assert decode.native_step is not None, "the native step was not taken"
+    return model, kv_dtype
+
+
+def eager(model):
+    """The model with its decode steps swapped for eager ones, for `with`."""
+    class Swap:
+        def __enter__(self):
+            self.kept, model.compiled_decode = model.compiled_decode, CompiledDecode(False)
+
+        def __exit__(self, *exc):
+            model.compiled_decode = self.kept
+    return Swap()
+
+
+def prefilled(model, slots: int, capacity: int, dtype: torch.dtype) -> ContiguousKVCache:
+    cache = ContiguousKVCache(model.config, slots, capacity, dtype)
+    gen = torch.Generator().manual_seed(slots * 100 + capacity)
+    with torch.inference_mode(), eager(model):
+        for seq in range(slots):
+            n = 3 + 4 * seq
+            model(torch.randint(0, VOCAB, (n,), generator=gen), BatchMetadata.build([seq], [n]),
+                  cache)
+    return cache
+
+
+@pytest.mark.parametrize(("slots", "capacity"), [(1, 23), (3, 30), (5, 47)])
+def test_native_steps_equal_eager_steps(native_model, slots, capacity):
+    model, kv_dtype = native_model
+    native, reference = (prefilled(model, slots, capacity, kv_dtype) for _ in range(2))
+    decode = model.compiled_decode
+    before, fallbacks = decode.compiled_steps, decode.eager_fallbacks
+    batch = BatchMetadata.build(list(range(slots)), [1] * slots)
+    gen = torch.Generator().manual_seed(slots)
+    with torch.inference_mode():
+        for _ in range(6):
+            ids = torch.randint(0, VOCAB, (slots,), generator=gen)
+            got = model(ids, batch, native)
+            with eager(model):
+                want = model(ids, batch, reference)
+            # the int4 kernel quantizes its activations, which a last-bit difference upstream
+            # (a norm summed in another order) can move by a level
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.01)
+    assert decode.compiled_steps == before + 6 and decode.eager_fallbacks == fallbacks
+    assert native.lengths == reference.lengths
+    for got, want in zip(native.k + native.v, reference.k + reference.v, strict=True):
+        if kv_dtype == torch.int8:  # within a level: a rounding tie computed apart
+            assert (got.int() - want.int()).abs().max() <= 1
+        else:
+            torch.testing.assert_close(got.float(), want.float(), atol=0.02, rtol=0.02)
+    if kv_dtype == torch.int8:
+        for got, want in zip(native.k_scales + native.v_scales,
+                             reference.k_scales + reference.v_scales, strict=True):
+            torch.testing.assert_close(got, want, atol=0, rtol=5e-3)
+
+
+def test_a_cache_the_native_step_does_not_take_decodes_eagerly(native_model, caplog):
+    model, _ = native_model
+    decode = model.compiled_decode
+    cache, reference = (prefilled(model, 1, 30, torch.float16) for _ in range(2))
+    fallbacks = decode.eager_fallbacks
+    with torch.inference_mode(), caplog.at_level(logging.WARNING):
+        got = model(torch.tensor([9]), BatchMetadata.build([0], [1]), cache)
+        with eager(model):
+            want = model(torch.tensor([9]), BatchMetadata.build([0], [1]), reference)
+    torch.testing.assert_close(got, want)
+    assert decode.eager_fallbacks == fallbacks + 1 and decode.ready
+
+
+def test_which_models_fit_the_native_step():
+    model = q4_model()
+    assert native_step_fits(model, torch.int8) and native_step_fits(model, torch.float32)
+    assert not native_step_fits(model, torch.float16)  # no native attention for it
+    assert not native_step_fits(q4_model(vocab=VOCAB - 16), torch.int8)  # a partial block
+    float_model = fuse_projections(random_model(tiny_config(vocab_size=VOCAB)))
+    assert not native_step_fits(float_model, torch.int8)
+    unfused = quantize_model(random_model(tiny_config(vocab_size=VOCAB)), "q4")
+    assert not native_step_fits(unfused, torch.int8)
+
+
+def test_the_op_names_what_it_refuses():
+    model = q4_model()
+    from streamgrok.model.native_decode import NativeDecodeStep
+    step = NativeDecodeStep(model)
+    config = model.config
+    stores = [torch.zeros(1, config.num_kv_heads, 8, config.head_dim)
+              for _ in range(config.num_layers)]
+    half = config.head_dim // 2
+    args = dict(embedded=torch.zeros(1, config.hidden_size), weights=step.weights,
+                qkv_biases=[], keys=stores, values=[s.clone() for s in stores], key_scales=[],
+                value_scales=[], positions=torch.tensor([3]), cos=torch.ones(1, half),
+                sin=torch.zeros(1, half), num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads, eps=1e-5)
+    op = torch.ops.streamgrok_cpu.decode_step
+    assert op(**args).shape == (1, VOCAB)
+    with pytest.raises(RuntimeError, match="outside the stores"):
+        op(**{**args, "positions": torch.tensor([8])})
+    with pytest.raises(RuntimeError, match="10 weights per layer"):
+        op(**{**args, "weights": step.weights[:-1]})
+    with pytest.raises(RuntimeError, match="int8 stores and only they"):
+        op(**{**args, "key_scales": [torch.zeros(1, 2, 8, dtype=torch.float16)] * 2,
+              "value_scales": [torch.zeros(1, 2, 8, dtype=torch.float16)] * 2})
+
+
+def test_a_process_decoding_natively_imports_neither_the_compiler_nor_triton(tmp_path):
+    """What a compiled step keeps resident (dynamo, inductor, Triton's compiler library:
+    hundreds of MB) stays out of a process whose decode steps run natively."""
+    script = tmp_path / "decode.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import torch
+        from helpers import random_model, tiny_config
+        from streamgrok.model.batch import BatchMetadata
+        from streamgrok.model.compiled_decode import CompiledDecode
+        from streamgrok.model.contiguous_cache import ContiguousKVCache
+        from streamgrok.model.llama import fuse_projections
+        from streamgrok.model.quantized import quantize_model
+
+        model = quantize_model(fuse_projections(random_model(tiny_config(vocab_size=320))),
+                               "q4")
+        model.compiled_decode = CompiledDecode(enabled=True)
+        cache = ContiguousKVCache(model.config, 1, 40, torch.int8)
+        with torch.inference_mode():
+            model(torch.tensor([5, 6, 7]), BatchMetadata.build([0], [3]), cache)
+            model(torch.tensor([8]), BatchMetadata.build([0], [1]), cache)
+            assert model.compiled_decode.wait_compiled(timeout=900)
+            model(torch.tensor([9]), BatchMetadata.build([0], [1]), cache)
+        decode = model.compiled_decode
+        print("native", decode.native_step is not None, "steps", decode.compiled_steps)
+        print("imported", sorted(m for m in ("torch._dynamo", "torch._inductor", "triton")
+                                 if m in sys.modules))
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update({"STREAMGROK_COMPILED_DECODE": "1", NATIVE_ATTENTION_ENV: "1",
+                "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                               env.get("PYTHONPATH", "")])})
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "native True steps 1" in result.stdout
+    assert "imported []" in result.stdout
