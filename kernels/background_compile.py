@@ -140,6 +140,17 @@ def stand_in(real: torch.Tensor, make: Callable[[], torch.Tensor]) -> torch.Tens
         return make()
 
 
+def import_compiler() -> None:
+    """Import torch.compile's compiler (dynamo, inductor) now, on the calling thread. A
+    process that will compile in the background while it serves should call this first: the
+    first import on a compile thread (~1400 modules, seconds) holds the GIL and the import
+    lock, and the steps of other threads stall behind it (`bench serve --weights q4`, 8
+    sessions: TTFT p95 146 ms with the compiler imported up front, 1842-2496 without)."""
+    import_compiler_quietly()
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+
+
 def import_compiler_quietly() -> None:
     """Import inductor's C++ toolchain module without its import-time warning on machines
     without CUDA ("No CUDA runtime is found"), which would land in the middle of a user's

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from kernels.background_compile import import_compiler
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.kv_group import KVGroup
 from streamgrok.cache.paged_cache import PagedKVCache
@@ -63,6 +64,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.kv_group = kv_group if kv_group is not None and kv_group.world > 1 else None
         model = loaded.model
+        if model.device.type == "cpu" and model.kernels.paged_reader.compiled:
+            import_compiler()  # the paged reads compile in the background while serving
         cache_config = cache_config or CacheConfig()
         if cache_config.frame_aware is None:  # a vision model's frames are kept or evicted whole
             cache_config = replace(cache_config, frame_aware=loaded.vision is not None)
