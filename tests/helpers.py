@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
@@ -57,6 +59,35 @@ def random_model(config: ModelConfig, seed: int = 0) -> Transformer:
             else:
                 param.normal_(0, 0.08)
     return model.eval().requires_grad_(False)
+
+
+@contextmanager
+def eager_decode(model: Transformer) -> Iterator[None]:
+    """`model` with its compiled (or native) decode steps swapped for eager ones."""
+    from streamgrok.model.compiled_decode import CompiledDecode
+
+    kept, model.compiled_decode = model.compiled_decode, CompiledDecode(False)
+    try:
+        yield
+    finally:
+        model.compiled_decode = kept
+
+
+def eagerly_prefilled(model: Transformer, slots: int, capacity: int,
+                      dtype: torch.dtype = torch.float32):
+    """A contiguous cache of `slots` sequences (3, 7, 11, ... random tokens) prefilled by the
+    eager model."""
+    from streamgrok.model.batch import BatchMetadata
+    from streamgrok.model.contiguous_cache import ContiguousKVCache
+
+    cache = ContiguousKVCache(model.config, slots, capacity, dtype)
+    gen = torch.Generator().manual_seed(slots * 100 + capacity)
+    with torch.inference_mode(), eager_decode(model):
+        for seq in range(slots):
+            n = 3 + 4 * seq
+            ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
+            model(ids, BatchMetadata.build([seq], [n]), cache)
+    return cache
 
 
 def byte_vocab() -> list[str]:

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from helpers import random_model, tiny_config, write_gguf
+from helpers import eager_decode, eagerly_prefilled, random_model, tiny_config, write_gguf
 
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import (
@@ -56,28 +56,6 @@ def compiled_model(request, tmp_path_factory):
     return model, weights, kv_dtype
 
 
-def eager(model):
-    """The model with compiled decode swapped out, for `with`."""
-    class Swap:
-        def __enter__(self):
-            self.kept, model.compiled_decode = model.compiled_decode, CompiledDecode(False)
-
-        def __exit__(self, *exc):
-            model.compiled_decode = self.kept
-    return Swap()
-
-
-def prefilled(model, slots: int, capacity: int, dtype=torch.float32) -> ContiguousKVCache:
-    cache = ContiguousKVCache(model.config, slots, capacity, dtype)
-    gen = torch.Generator().manual_seed(slots * 100 + capacity)
-    with torch.inference_mode(), eager(model):
-        for seq in range(slots):
-            n = 3 + 4 * seq
-            ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
-            model(ids, BatchMetadata.build([seq], [n]), cache)
-    return cache
-
-
 def same_cache(a: ContiguousKVCache, b: ContiguousKVCache) -> bool:
     """Same lengths and K/V (int8: within one level, a rounding tie computed apart)."""
     if a.k_scales is None:
@@ -92,8 +70,8 @@ def same_cache(a: ContiguousKVCache, b: ContiguousKVCache) -> bool:
 @pytest.mark.parametrize(("slots", "capacity"), [(1, 23), (1, 61), (3, 30), (5, 47)])
 def test_compiled_steps_equal_eager_steps(compiled_model, slots, capacity):
     model, weights, kv_dtype = compiled_model
-    compiled = prefilled(model, slots, capacity, kv_dtype)
-    reference = prefilled(model, slots, capacity, kv_dtype)
+    compiled = eagerly_prefilled(model, slots, capacity, kv_dtype)
+    reference = eagerly_prefilled(model, slots, capacity, kv_dtype)
     decode = model.compiled_decode
     before, fallbacks = decode.compiled_steps, decode.eager_fallbacks
     batch = BatchMetadata.build(list(range(slots)), [1] * slots)
@@ -104,7 +82,7 @@ def test_compiled_steps_equal_eager_steps(compiled_model, slots, capacity):
         for _ in range(6):  # every cache size and batch from the stand-ins' graphs
             ids = torch.randint(0, model.config.vocab_size, (slots,), generator=gen)
             got = model(ids, batch, compiled)
-            with eager(model):
+            with eager_decode(model):
                 want = model(ids, batch, reference)
             torch.testing.assert_close(got, want, atol=tolerance, rtol=0.01)
     assert decode.compiled_steps == before + 6
@@ -116,14 +94,14 @@ def test_compiled_steps_equal_eager_steps(compiled_model, slots, capacity):
 def test_other_steps_run_eagerly(compiled_model):
     model, _, kv_dtype = compiled_model
     decode = model.compiled_decode
-    cache, reference = prefilled(model, 3, 30, kv_dtype), prefilled(model, 3, 30, kv_dtype)
+    cache, reference = (eagerly_prefilled(model, 3, 30, kv_dtype) for _ in range(2))
     before = decode.compiled_steps
     with torch.inference_mode():
         # a prefill chunk, and a decode step of some of the cache's sequences
         for batch, ids in ((BatchMetadata.build([1], [2]), torch.tensor([3, 4])),
                            (BatchMetadata.build([0, 2], [1, 1]), torch.tensor([5, 6]))):
             got = model(ids, batch, cache)
-            with eager(model):
+            with eager_decode(model):
                 want = model(ids, batch, reference)
             torch.testing.assert_close(got, want)
     assert decode.compiled_steps == before
@@ -133,12 +111,12 @@ def test_other_steps_run_eagerly(compiled_model):
 def test_a_cache_the_graph_does_not_fit_decodes_eagerly(compiled_model, caplog):
     model, _, _ = compiled_model
     decode = model.compiled_decode
-    cache = prefilled(model, 1, 30, torch.bfloat16)  # the stand-ins were float32 or int8
-    reference = prefilled(model, 1, 30, torch.bfloat16)
+    cache = eagerly_prefilled(model, 1, 30, torch.bfloat16)  # the stand-ins were float32 or int8
+    reference = eagerly_prefilled(model, 1, 30, torch.bfloat16)
     fallbacks = decode.eager_fallbacks
     with torch.inference_mode(), caplog.at_level(logging.WARNING):
         got = model(torch.tensor([9]), BatchMetadata.build([0], [1]), cache)
-        with eager(model):
+        with eager_decode(model):
             want = model(torch.tensor([9]), BatchMetadata.build([0], [1]), reference)
     torch.testing.assert_close(got, want)
     assert decode.eager_fallbacks == fallbacks + 1 and decode.ready
@@ -152,13 +130,13 @@ def test_a_failed_compilation_turns_compiled_decode_off(caplog):
         raise RuntimeError("no C++ compiler")
 
     decode._function = broken
-    cache, reference = prefilled(model, 1, 20), prefilled(model, 1, 20)
+    cache, reference = eagerly_prefilled(model, 1, 20), eagerly_prefilled(model, 1, 20)
     batch = BatchMetadata.build([0], [1])
     with torch.inference_mode(), caplog.at_level(logging.WARNING):
         model(torch.tensor([4]), batch, cache)
         assert not decode.wait_compiled(timeout=60)
         got = model(torch.tensor([5]), batch, cache)
-    with torch.inference_mode(), eager(model):
+    with torch.inference_mode(), eager_decode(model):
         model(torch.tensor([4]), batch, reference)
         want = model(torch.tensor([5]), batch, reference)
     torch.testing.assert_close(got, want)

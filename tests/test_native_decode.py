@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_model, tiny_config
+from helpers import eager_decode, eagerly_prefilled, random_model, tiny_config
 
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import NATIVE_ATTENTION_ENV, CompiledDecode
@@ -54,32 +54,10 @@ def native_model(request):
     return model, kv_dtype
 
 
-def eager(model):
-    """The model with its decode steps swapped for eager ones, for `with`."""
-    class Swap:
-        def __enter__(self):
-            self.kept, model.compiled_decode = model.compiled_decode, CompiledDecode(False)
-
-        def __exit__(self, *exc):
-            model.compiled_decode = self.kept
-    return Swap()
-
-
-def prefilled(model, slots: int, capacity: int, dtype: torch.dtype) -> ContiguousKVCache:
-    cache = ContiguousKVCache(model.config, slots, capacity, dtype)
-    gen = torch.Generator().manual_seed(slots * 100 + capacity)
-    with torch.inference_mode(), eager(model):
-        for seq in range(slots):
-            n = 3 + 4 * seq
-            model(torch.randint(0, VOCAB, (n,), generator=gen), BatchMetadata.build([seq], [n]),
-                  cache)
-    return cache
-
-
 @pytest.mark.parametrize(("slots", "capacity"), [(1, 23), (3, 30), (5, 47)])
 def test_native_steps_equal_eager_steps(native_model, slots, capacity):
     model, kv_dtype = native_model
-    native, reference = (prefilled(model, slots, capacity, kv_dtype) for _ in range(2))
+    native, reference = (eagerly_prefilled(model, slots, capacity, kv_dtype) for _ in range(2))
     decode = model.compiled_decode
     before, fallbacks = decode.compiled_steps, decode.eager_fallbacks
     batch = BatchMetadata.build(list(range(slots)), [1] * slots)
@@ -88,7 +66,7 @@ def test_native_steps_equal_eager_steps(native_model, slots, capacity):
         for _ in range(6):
             ids = torch.randint(0, VOCAB, (slots,), generator=gen)
             got = model(ids, batch, native)
-            with eager(model):
+            with eager_decode(model):
                 want = model(ids, batch, reference)
             # the int4 kernel quantizes its activations, which a last-bit difference upstream
             # (a norm summed in another order) can move by a level
@@ -109,11 +87,11 @@ def test_native_steps_equal_eager_steps(native_model, slots, capacity):
 def test_a_cache_the_native_step_does_not_take_decodes_eagerly(native_model, caplog):
     model, _ = native_model
     decode = model.compiled_decode
-    cache, reference = (prefilled(model, 1, 30, torch.float16) for _ in range(2))
+    cache, reference = (eagerly_prefilled(model, 1, 30, torch.float16) for _ in range(2))
     fallbacks = decode.eager_fallbacks
     with torch.inference_mode(), caplog.at_level(logging.WARNING):
         got = model(torch.tensor([9]), BatchMetadata.build([0], [1]), cache)
-        with eager(model):
+        with eager_decode(model):
             want = model(torch.tensor([9]), BatchMetadata.build([0], [1]), reference)
     torch.testing.assert_close(got, want)
     assert decode.eager_fallbacks == fallbacks + 1 and decode.ready
@@ -191,3 +169,30 @@ def test_a_process_decoding_natively_imports_neither_the_compiler_nor_triton(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     assert "native True steps 1" in result.stdout
     assert "imported []" in result.stdout
+
+
+def test_an_engine_whose_reads_compile_imports_the_compiler_when_it_is_made(tmp_path):
+    """Not on its compile thread while it serves, where the first import (seconds, the GIL
+    and the import lock held) stalled the sessions' steps."""
+    script = tmp_path / "engine.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        from helpers import random_model, tiny_config, write_gguf
+        from streamgrok.engine import Engine
+        from streamgrok.model.loader import load_model
+
+        loaded = load_model(write_gguf(Path(sys.argv[1]) / "tiny.gguf",
+                                       random_model(tiny_config())))
+        before = "torch._dynamo" in sys.modules
+        Engine(loaded)
+        print("before", before, "after", "torch._dynamo" in sys.modules)
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update({"STREAMGROK_COMPILED_READS": "1",
+                "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
+                                               env.get("PYTHONPATH", "")])})
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "before False after True" in result.stdout

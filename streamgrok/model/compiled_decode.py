@@ -243,10 +243,7 @@ class CompiledDecode:
             except Exception as error:  # a guard this step fails: never compile here
                 self._fell_back(error)
                 return None
-        self.compiled_steps += 1
-        if batch.logit_rows is not None:
-            logits = logits.index_select(0, batch.logit_rows)
-        return logits
+        return self._counted(logits, batch)
 
     def _run_native(self, model: Transformer, input_ids: torch.Tensor, batch: BatchMetadata,
                     view: DecodeView) -> torch.Tensor | None:
@@ -256,6 +253,10 @@ class CompiledDecode:
         except Exception as error:  # a cache the native step does not take: eager
             self._fell_back(error)
             return None
+        return self._counted(logits, batch)
+
+    def _counted(self, logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        """A step's logits, counted, of the rows the batch asks for."""
         self.compiled_steps += 1
         if batch.logit_rows is not None:
             logits = logits.index_select(0, batch.logit_rows)
