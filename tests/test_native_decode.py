@@ -54,7 +54,8 @@ def native_model(request):
     return model, kv_dtype
 
 
-@pytest.mark.parametrize(("slots", "capacity"), [(1, 23), (3, 30), (5, 47)])
+# 17 sequences: past the rows a thread takes at least, so the loops between matmuls split
+@pytest.mark.parametrize(("slots", "capacity"), [(1, 23), (3, 30), (5, 47), (17, 80)])
 def test_native_steps_equal_eager_steps(native_model, slots, capacity):
     model, kv_dtype = native_model
     native, reference = (eagerly_prefilled(model, slots, capacity, kv_dtype) for _ in range(2))

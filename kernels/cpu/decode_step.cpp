@@ -28,20 +28,25 @@ namespace {
 constexpr int64_t kLayerTensors = 10;  // the weights of a layer, in `decode_step`'s order
 constexpr float kInt8Max = 127.f;      // kernels/quant.py: INT8_MAX
 constexpr float kMinAbsMax = 1e-4f;    // kernels/quant.py: MIN_ABS_MAX
+// Rows a thread takes at least in the loops between the matmuls: several sequences' norms,
+// rotary, K/V stores and SwiGLU run in parallel, one sequence's on the calling thread.
+constexpr int64_t kRowGrain = 8;
 
 // out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight (kernels/rmsnorm.py's reference).
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t width, float eps,
               float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = x + r * width;
-    float squares = 0.f;
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + r * width;
+      float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-    for (int64_t i = 0; i < width; ++i) squares += row[i] * row[i];
-    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
-    float* o = out + r * width;
+      for (int64_t i = 0; i < width; ++i) squares += row[i] * row[i];
+      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+      float* o = out + r * width;
 #pragma omp simd
-    for (int64_t i = 0; i < width; ++i) o[i] = row[i] * inverse * weight[i];
-  }
+      for (int64_t i = 0; i < width; ++i) o[i] = row[i] * inverse * weight[i];
+    }
+  });
 }
 
 // Half-split rotary of one head (x[:d/2] pairs with x[d/2:]) by cos/sin [d/2].
@@ -106,9 +111,12 @@ void check_store(const at::Tensor& rows, const at::Tensor* scales, int64_t batch
                 "decode_step: int8 stores need contiguous float16 scales [B, KVH, capacity]");
 }
 
-void add_into(float* x, const float* y, int64_t count) {
+// x += y, rows [rows, width].
+void add_into(float* x, const float* y, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
 #pragma omp simd
-  for (int64_t i = 0; i < count; ++i) x[i] += y[i];
+    for (int64_t i = begin * width; i < end * width; ++i) x[i] += y[i];
+  });
 }
 
 }  // namespace
@@ -181,7 +189,6 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
   at::Tensor x = embedded.contiguous().clone();  // the residual stream
   at::Tensor h = at::empty_like(x);
   at::Tensor q = at::empty({batch, num_heads, dim}, x.options());
-  std::vector<float> rotated(dim);
   float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   for (int64_t l = 0; l < layers; ++l) {
@@ -196,39 +203,45 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
     const Store value_store{values[l], quantized ? value_scales[l] : at::Tensor()};
     const float* all = qkv.data_ptr<float>();
     float* qp = q.data_ptr<float>();
-    for (int64_t b = 0; b < batch; ++b) {
-      const float* row = all + b * qkv.size(1);
-      const float* c = cp + b * half;
-      const float* s = sp + b * half;
-      for (int64_t head = 0; head < num_heads; ++head)
-        rotate(row + head * dim, c, s, dim, qp + (b * num_heads + head) * dim);
-      for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
-        rotate(row + q_width + kvh * dim, c, s, dim, rotated.data());
-        store_row(key_store, b, kvh, pos[b], rotated.data());
-        store_row(value_store, b, kvh, pos[b], row + q_width + kv_width + kvh * dim);
+    const int64_t qkv_width = qkv.size(1);
+    at::parallel_for(0, batch, kRowGrain, [&](int64_t begin, int64_t end) {
+      std::vector<float> rotated(dim);
+      for (int64_t b = begin; b < end; ++b) {
+        const float* row = all + b * qkv_width;
+        const float* c = cp + b * half;
+        const float* s = sp + b * half;
+        for (int64_t head = 0; head < num_heads; ++head)
+          rotate(row + head * dim, c, s, dim, qp + (b * num_heads + head) * dim);
+        for (int64_t kvh = 0; kvh < num_kv_heads; ++kvh) {
+          rotate(row + q_width + kvh * dim, c, s, dim, rotated.data());
+          store_row(key_store, b, kvh, pos[b], rotated.data());
+          store_row(value_store, b, kvh, pos[b], row + q_width + kv_width + kvh * dim);
+        }
       }
-    }
+    });
     at::Tensor attended =
         decode_attention(q, keys[l], values[l], lengths, attention_scale,
                          quantized ? c10::optional<at::Tensor>(key_scales[l]) : c10::nullopt,
                          quantized ? c10::optional<at::Tensor>(value_scales[l]) : c10::nullopt);
     at::Tensor out = int4_linear(attended.view({batch, q_width}), w[3], w[4], false);
-    add_into(xp, out.data_ptr<float>(), batch * hidden);
+    add_into(xp, out.data_ptr<float>(), batch, hidden);
     rms_norm(xp, w[5].data_ptr<float>(), batch, hidden, norm_eps, hp);
     at::Tensor gate_up = int4_linear(h, w[6], w[7], false);
     const int64_t inner = gate_up.size(1) / 2;
     at::Tensor act = at::empty({batch, inner}, x.options());
     const float* gu = gate_up.data_ptr<float>();
     float* ap = act.data_ptr<float>();
-    for (int64_t b = 0; b < batch; ++b) {
-      const float* gate = gu + b * 2 * inner;
-      const float* up = gate + inner;
-      float* a = ap + b * inner;
+    at::parallel_for(0, batch, kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const float* gate = gu + b * 2 * inner;
+        const float* up = gate + inner;
+        float* a = ap + b * inner;
 #pragma omp simd
-      for (int64_t i = 0; i < inner; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
+        for (int64_t i = 0; i < inner; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      }
+    });
     at::Tensor down = int4_linear(act, w[8], w[9], false);
-    add_into(xp, down.data_ptr<float>(), batch * hidden);
+    add_into(xp, down.data_ptr<float>(), batch, hidden);
   }
   const at::Tensor* last = weights.data() + kLayerTensors * layers;
   rms_norm(xp, last[0].data_ptr<float>(), batch, hidden, norm_eps, hp);
