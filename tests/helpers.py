@@ -90,6 +90,22 @@ def eagerly_prefilled(model: Transformer, slots: int, capacity: int,
     return cache
 
 
+def assert_a_step_falls_back_eagerly(model: Transformer, dtype: torch.dtype) -> None:
+    """A decode step over a cache of `dtype`, which the model's compiled (or native) step
+    does not take, runs eagerly, counted, with the eager model's logits."""
+    from streamgrok.model.batch import BatchMetadata
+
+    decode = model.compiled_decode
+    cache, reference = (eagerly_prefilled(model, 1, 30, dtype) for _ in range(2))
+    fallbacks = decode.eager_fallbacks
+    with torch.inference_mode():
+        got = model(torch.tensor([9]), BatchMetadata.build([0], [1]), cache)
+        with eager_decode(model):
+            want = model(torch.tensor([9]), BatchMetadata.build([0], [1]), reference)
+    torch.testing.assert_close(got, want)
+    assert decode.eager_fallbacks == fallbacks + 1 and decode.ready
+
+
 def byte_vocab() -> list[str]:
     """Byte-level alphabet, a few merges' results, then the special tokens."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())

@@ -8,7 +8,14 @@ import logging
 
 import pytest
 import torch
-from helpers import eager_decode, eagerly_prefilled, random_model, tiny_config, write_gguf
+from helpers import (
+    assert_a_step_falls_back_eagerly,
+    eager_decode,
+    eagerly_prefilled,
+    random_model,
+    tiny_config,
+    write_gguf,
+)
 
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import (
@@ -108,18 +115,10 @@ def test_other_steps_run_eagerly(compiled_model):
     assert cache.lengths == reference.lengths == [4, 9, 12]
 
 
-def test_a_cache_the_graph_does_not_fit_decodes_eagerly(compiled_model, caplog):
+def test_a_cache_the_graph_does_not_fit_decodes_eagerly(compiled_model):
     model, _, _ = compiled_model
-    decode = model.compiled_decode
-    cache = eagerly_prefilled(model, 1, 30, torch.bfloat16)  # the stand-ins were float32 or int8
-    reference = eagerly_prefilled(model, 1, 30, torch.bfloat16)
-    fallbacks = decode.eager_fallbacks
-    with torch.inference_mode(), caplog.at_level(logging.WARNING):
-        got = model(torch.tensor([9]), BatchMetadata.build([0], [1]), cache)
-        with eager_decode(model):
-            want = model(torch.tensor([9]), BatchMetadata.build([0], [1]), reference)
-    torch.testing.assert_close(got, want)
-    assert decode.eager_fallbacks == fallbacks + 1 and decode.ready
+    # the stand-ins were float32 or int8
+    assert_a_step_falls_back_eagerly(model, torch.bfloat16)
 
 
 def test_a_failed_compilation_turns_compiled_decode_off(caplog):

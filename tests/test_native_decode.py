@@ -5,7 +5,6 @@ never imports the compiler or Triton."""
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -14,7 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import eager_decode, eagerly_prefilled, random_model, tiny_config
+from helpers import (
+    assert_a_step_falls_back_eagerly,
+    eager_decode,
+    eagerly_prefilled,
+    random_model,
+    tiny_config,
+)
 
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import NATIVE_ATTENTION_ENV, CompiledDecode
@@ -85,17 +90,9 @@ def test_native_steps_equal_eager_steps(native_model, slots, capacity):
             torch.testing.assert_close(got, want, atol=0, rtol=5e-3)
 
 
-def test_a_cache_the_native_step_does_not_take_decodes_eagerly(native_model, caplog):
+def test_a_cache_the_native_step_does_not_take_decodes_eagerly(native_model):
     model, _ = native_model
-    decode = model.compiled_decode
-    cache, reference = (eagerly_prefilled(model, 1, 30, torch.float16) for _ in range(2))
-    fallbacks = decode.eager_fallbacks
-    with torch.inference_mode(), caplog.at_level(logging.WARNING):
-        got = model(torch.tensor([9]), BatchMetadata.build([0], [1]), cache)
-        with eager_decode(model):
-            want = model(torch.tensor([9]), BatchMetadata.build([0], [1]), reference)
-    torch.testing.assert_close(got, want)
-    assert decode.eager_fallbacks == fallbacks + 1 and decode.ready
+    assert_a_step_falls_back_eagerly(model, torch.float16)
 
 
 def test_which_models_fit_the_native_step():
