@@ -104,12 +104,14 @@ struct QuantizedRows {
 #endif
 };
 
-// One group's 64 results of one row, from its integer sums: what the row's group adds.
+// One group's 64 results of one row, from its integer sums: what the row's group adds,
+// scale * (products - 8 sum) + zero * sum, as scale * products + (zero - 8 scale) * sum (the
+// second factor is the group's and output's, shared by every row).
 inline float group_result(int32_t coarse_sum, int32_t fine_sum, float step, float sum,
                           float scale, float zero) {
   const float products = static_cast<float>(coarse_sum) * step +
-                         static_cast<float>(fine_sum) * (step / kResidualSteps) - 8.f * sum;
-  return scale * products + zero * sum;
+                         static_cast<float>(fine_sum) * (step / kResidualSteps);
+  return scale * products + (zero - 8.f * scale) * sum;
 }
 
 // Portable: block `block`'s 64 outputs of every row.
@@ -211,12 +213,11 @@ inline void rows_of_group(const QuantizedRows& x, int64_t row, int64_t g, const 
   for (int r = 0; r < R; ++r) {
     const float step = x.step[(row + r) * x.groups + g], sum = x.sum[(row + r) * x.groups + g];
     const __m512 d = _mm512_set1_ps(step), fine_d = _mm512_set1_ps(step / kResidualSteps);
-    const __m512 total = _mm512_set1_ps(sum), eight_total = _mm512_set1_ps(8.f * sum);
+    const __m512 total = _mm512_set1_ps(sum);
     float* result = results + (row + r) * kBlock;
     for (int p = 0; p < 4; ++p) {
       __m512 products = _mm512_mul_ps(_mm512_cvtepi32_ps(coarse[r][p]), d);
       products = _mm512_fmadd_ps(_mm512_cvtepi32_ps(fine[r][p]), fine_d, products);
-      products = _mm512_sub_ps(products, eight_total);
       __m512 out = _mm512_loadu_ps(result + 16 * p);
       out = _mm512_fmadd_ps(scales[p], products, out);
       out = _mm512_fmadd_ps(zeros[p], total, out);
@@ -232,6 +233,7 @@ void block_vnni(const QuantizedRows& x, int64_t rows, const uint8_t* weights,
                 const Permutes& permutes, float* results, float* out) {
   const int64_t first = block * kBlock;
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m512 eight = _mm512_set1_ps(8.f);
   std::fill(results, results + rows * kBlock, 0.f);
   __m512i levels[4 * kSteps];
   for (int64_t g = 0; g < x.groups; ++g) {
@@ -247,7 +249,9 @@ void block_vnni(const QuantizedRows& x, int64_t rows, const uint8_t* weights,
     for (int p = 0; p < 4; ++p) {
       const __m512i words = _mm512_loadu_si512(pairs + 32 * p);
       scales[p] = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-      zeros[p] = _mm512_castsi512_ps(_mm512_and_si512(words, high_half));
+      // zero - 8 scale: the levels' offset of 8 folded in once for every row (group_result)
+      zeros[p] = _mm512_fnmadd_ps(eight, scales[p],
+                                  _mm512_castsi512_ps(_mm512_and_si512(words, high_half)));
     }
     int64_t r = 0;
     for (; r + 2 <= rows; r += 2) rows_of_group<2>(x, r, g, levels, scales, zeros, results);
