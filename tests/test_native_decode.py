@@ -130,6 +130,19 @@ def test_the_op_names_what_it_refuses():
               "value_scales": [torch.zeros(1, 2, 8, dtype=torch.float16)] * 2})
 
 
+def run_script(script: Path, env: dict[str, str], *args: str
+               ) -> subprocess.CompletedProcess[str]:
+    """`script` in a fresh process as a user's would run (no TRITON_INTERPRET), with the
+    tests' helpers importable and `env` set; asserts it succeeded."""
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full.update(env, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                                 full.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(script), *args], env=full,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def test_a_process_decoding_natively_imports_neither_the_compiler_nor_triton(tmp_path):
     """What a compiled step keeps resident (dynamo, inductor, Triton's compiler library:
     hundreds of MB) stays out of a process whose decode steps run natively."""
@@ -158,13 +171,7 @@ def test_a_process_decoding_natively_imports_neither_the_compiler_nor_triton(tmp
         print("imported", sorted(m for m in ("torch._dynamo", "torch._inductor", "triton")
                                  if m in sys.modules))
     """))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update({"STREAMGROK_COMPILED_DECODE": "1", NATIVE_ATTENTION_ENV: "1",
-                "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
-                                               env.get("PYTHONPATH", "")])})
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                            text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script(script, {"STREAMGROK_COMPILED_DECODE": "1", NATIVE_ATTENTION_ENV: "1"})
     assert "native True steps 1" in result.stdout
     assert "imported []" in result.stdout
 
@@ -186,11 +193,5 @@ def test_an_engine_whose_reads_compile_imports_the_compiler_when_it_is_made(tmp_
         Engine(loaded)
         print("before", before, "after", "torch._dynamo" in sys.modules)
     """))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update({"STREAMGROK_COMPILED_READS": "1",
-                "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent),
-                                               env.get("PYTHONPATH", "")])})
-    result = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_script(script, {"STREAMGROK_COMPILED_READS": "1"}, str(tmp_path))
     assert "before False after True" in result.stdout

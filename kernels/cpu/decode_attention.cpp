@@ -249,4 +249,6 @@ TORCH_LIBRARY(streamgrok_cpu, m) {
         " Tensor? key_scales=None, Tensor? value_scales=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) { m.impl("decode_attention", &streamgrok_cpu::decode_attention); }
+TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) {
+  m.impl("decode_attention", &streamgrok_cpu::decode_attention);
+}

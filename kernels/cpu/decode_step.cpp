@@ -163,15 +163,19 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
               "decode_step: K/V stores must be float32, bfloat16 or int8, got ", kind);
   TORCH_CHECK(quantized == (kind == at::kChar),
               "decode_step: int8 stores and only they come with scales");
+  const auto check_norm = [hidden](const at::Tensor& norm) {
+    TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() &&
+                    norm.numel() == hidden,
+                "decode_step: norm weights must be float32 [hidden]");
+  };
   for (int64_t l = 0; l < layers; ++l) {
     check_store(keys[l], quantized ? &key_scales[l] : nullptr, batch, num_kv_heads, dim, kind);
     check_store(values[l], quantized ? &value_scales[l] : nullptr, batch, num_kv_heads, dim,
                 kind);
+    check_norm(weights[kLayerTensors * l]);
+    check_norm(weights[kLayerTensors * l + 5]);
   }
-  for (const at::Tensor& norm : {weights[0], weights[5], weights[kLayerTensors * layers]})
-    TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() &&
-                    norm.numel() == hidden,
-                "decode_step: norm weights must be float32 [hidden]");
+  check_norm(weights[kLayerTensors * layers]);
   const at::Tensor where = positions.contiguous();
   const int64_t* pos = where.data_ptr<int64_t>();
   const int64_t capacity = layers > 0 ? keys[0].size(2) : 1;
@@ -183,6 +187,7 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
   const float* cp = rotary_cos.data_ptr<float>();
   const float* sp = rotary_sin.data_ptr<float>();
   const int64_t half = dim / 2, q_width = num_heads * dim, kv_width = num_kv_heads * dim;
+  const int64_t qkv_width = q_width + 2 * kv_width;
   const float norm_eps = static_cast<float>(eps);
   const double attention_scale = 1.0 / std::sqrt(static_cast<double>(dim));
 
@@ -195,15 +200,13 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
     const at::Tensor* w = weights.data() + kLayerTensors * l;
     rms_norm(xp, w[0].data_ptr<float>(), batch, hidden, norm_eps, hp);
     at::Tensor qkv = int4_linear(h, w[1], w[2], false);
-    TORCH_CHECK(qkv.size(1) == q_width + 2 * kv_width,
-                "decode_step: the q/k/v matmul has ", qkv.size(1), " outputs, not ",
-                q_width + 2 * kv_width);
+    TORCH_CHECK(qkv.size(1) == qkv_width, "decode_step: the q/k/v matmul has ", qkv.size(1),
+                " outputs, not ", qkv_width);
     if (!qkv_biases.empty()) qkv.add_(qkv_biases[l]);
     const Store key_store{keys[l], quantized ? key_scales[l] : at::Tensor()};
     const Store value_store{values[l], quantized ? value_scales[l] : at::Tensor()};
     const float* all = qkv.data_ptr<float>();
     float* qp = q.data_ptr<float>();
-    const int64_t qkv_width = qkv.size(1);
     at::parallel_for(0, batch, kRowGrain, [&](int64_t begin, int64_t end) {
       std::vector<float> rotated(dim);
       for (int64_t b = begin; b < end; ++b) {
