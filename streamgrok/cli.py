@@ -69,6 +69,11 @@ def _add_cache_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recall-min-hit-rate", type=float, default=0.95,
                         help="recall more while an answer's estimated KV hit rate is below "
                              "this (0 turns the guard off)")
+    parser.add_argument("--recall-in-stream", action="store_true",
+                        help="streamed chunks recall from the host tier too, so the stream's "
+                             "own keys and values are computed over what it attends to "
+                             "(answers agree with the full cache's far more often; costs a "
+                             "recall per chunk)")
 
 
 def cache_config(args: argparse.Namespace, **extra) -> CacheConfig:
@@ -79,7 +84,8 @@ def cache_config(args: argparse.Namespace, **extra) -> CacheConfig:
                        memory_gib=args.kv_memory_gib, host_tier_gib=args.kv_host_gib,
                        host_tier_dtype=args.kv_host_dtype, disk_tier_gib=args.kv_disk_gib,
                        disk_tier_dir=args.kv_disk_dir, recall_tokens=args.recall_tokens,
-                       recall_min_hit_rate=args.recall_min_hit_rate, **extra)
+                       recall_min_hit_rate=args.recall_min_hit_rate,
+                       recall_in_stream=args.recall_in_stream, **extra)
 
 
 def _add_served_options(parser: argparse.ArgumentParser) -> None:
@@ -275,6 +281,9 @@ def _add_bench_commands(commands) -> None:
                     help="tokens of the recall part's long stream")
     kv.add_argument("--recall-stream-questions", type=int, default=5,
                     help="questions (and measured rows) along the long stream")
+    kv.add_argument("--recall-in-stream", default="off,on",
+                    help="the recall part's fidelity with streamed chunks recalling off, on "
+                         "or both (off,on)")
     kv.add_argument("--recall-parts", default="stream,fidelity,retrieval",
                     help="what the recall part runs")
     kv.add_argument("--out", default="bench-results", help="folder for plots")
@@ -449,6 +458,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         def floats(text: str) -> tuple[float, ...]:
             return tuple(float(x) for x in text.split(","))
 
+        def on_off(text: str, option: str) -> tuple[bool, ...]:
+            values = text.split(",")
+            if not values or set(values) - {"on", "off"}:
+                raise ValueError(f"{option} takes off, on or off,on, not {text!r}")
+            return tuple(value == "on" for value in values)
+
         run_kv_bench(
             _load(args),
             KvBenchOptions(
@@ -469,6 +484,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     trials=args.recall_trials, flat_tokens=args.recall_stream_tokens,
                     flat_questions=args.recall_stream_questions,
                     parts=tuple(args.recall_parts.split(",")),
+                    in_stream=on_off(args.recall_in_stream, "--recall-in-stream"),
                     budget=args.budget),
                 weights=args.weights,
                 out_dir=Path(args.out),

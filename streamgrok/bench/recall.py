@@ -18,6 +18,7 @@ memory) and the working set over a long stream that asks questions with recall o
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -62,6 +63,7 @@ class RecallBenchOptions:
     parts: tuple[str, ...] = ("stream", "fidelity", "retrieval")
     budget: int = 2048
     chunk: int = 512
+    in_stream: tuple[bool, ...] = (False, True)  # recall in the stream off, on (fidelity)
 
 
 # -- streams --------------------------------------------------------------------------------
@@ -173,6 +175,13 @@ def question_times(model, passes: dict[str, tuple[PagedKVCache, str]], question:
             for kind, got in times.items()}
 
 
+def timed_feed(model, cache: PagedKVCache, ids: list[int], chunk: int) -> float:
+    """Stream `ids` into sequence 0 of `cache`; returns the seconds it took."""
+    started = time.perf_counter()
+    feed(model, cache, 0, ids, chunk=chunk)
+    return time.perf_counter() - started
+
+
 def wait_for_compiles(cache: PagedKVCache) -> None:
     """Let the paged reads and recall's scoring finish compiling (they compile on background
     threads that would otherwise share the cores with what is timed)."""
@@ -263,7 +272,8 @@ def run_recall(loaded: LoadedModel, options: RecallBenchOptions, out_dir) -> dic
 def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
     model, tok = loaded.model, loaded.tokenizer
     rows = []
-    total = len(STREAM_KINDS) * len(options.contexts) * (1 + len(options.fractions))
+    total = len(STREAM_KINDS) * len(options.contexts) * (
+        1 + len(options.fractions) * len(options.in_stream))
     bar = tqdm(total=total, desc="bench kv recall fidelity", leave=False)
     for kind in STREAM_KINDS:
         question = tok.encode(QUESTIONS[kind])
@@ -271,17 +281,17 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
             ids = stream_ids(loaded, kind, context)
             full = bench_cache(loaded, "full", None)
             full.add_sequence(0)
-            feed(model, full, 0, ids, chunk=options.chunk)
+            full_stream_s = timed_feed(model, full, ids, options.chunk)
             answer, full_logits, probs = full_answer(model, full, 1, question,
                                                      options.answer_tokens)
             bar.update()
             first_answer = context + len(question)
-            for fraction in options.fractions:
-                budget = int(context * fraction)
-                cache = bench_cache(loaded, options.policy, budget,
-                                    host_tier_gib=host_gib_for(loaded, context))
+            for fraction, in_stream in itertools.product(options.fractions, options.in_stream):
+                cache = bench_cache(loaded, options.policy, int(context * fraction),
+                                    host_tier_gib=host_gib_for(loaded, context),
+                                    recall_in_stream=in_stream)
                 cache.add_sequence(0)
-                feed(model, cache, 0, ids, chunk=options.chunk)
+                stream_s = timed_feed(model, cache, ids, options.chunk)
                 passes = {"full": (full, "off"), **{mode: (cache, mode) for mode in MODES}}
                 times = question_times(model, passes, question, len(answer) + 1)
                 for mode in MODES:
@@ -289,13 +299,14 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
                     kl, top1 = kl_top1(full_logits, got.logits)
                     rows.append({
                         "stream": kind, "context": context, "fraction": fraction,
-                        "recall": mode, "hit": exact_hit_rate(probs, got.resident,
-                                                                    first_answer),
+                        "in_stream": in_stream, "recall": mode,
+                        "hit": exact_hit_rate(probs, got.resident, first_answer),
                         "estimated": got.estimated_hit, "kl": kl, "top1": top1,
                         "recalled": got.recalled / loaded.config.num_layers,
                         "ttft_ms": times[mode][0] * 1e3, "recall_ms": times[mode][1] * 1e3,
                         "full_ttft_ms": times["full"][0] * 1e3, "bytes": got.bytes_moved,
-                        "host_mib": cache.tier.used_bytes / 2**20,
+                        "host_mib": cache.tier.used_bytes / 2**20, "stream_s": stream_s,
+                        "full_stream_s": full_stream_s,
                     })
                 del cache
                 bar.update()
@@ -310,40 +321,54 @@ def _print_fidelity(rows: list[dict], options: RecallBenchOptions) -> None:
           f"context; {options.answer_tokens} answer tokens (the full cache's greedy answer) "
           f"teacher-forced after a question; recall off, on with the budget only (budget: as "
           f"many tokens as the layer budget), or on with the hit-rate guard at 0.95 (guard); "
+          f"in stream: whether the streamed chunks recalled too (recall_in_stream); "
           f"hit = share of the full cache's attention on tokens resident in the answer "
           f"(exact), est = recall's own estimate; TTFT = question to first answer logits, "
           f"median of {TTFT_ROUNDS} passes of each kind (full cache, off, budget, guard) "
-          f"taking turns on the same stream")
-    print(f"{'stream':<6} {'context':>7} {'budget':>6} {'recall':>6} {'hit':>6} {'est':>6} "
-          f"{'KL':>7} {'top-1':>6} {'recalled/layer':>14} {'TTFT ms':>8} {'recall ms':>9} "
-          f"{'full TTFT':>9} {'MiB moved':>9} {'host MiB':>8}")
+          f"taking turns on the same stream; stream s = the stream's prefill (chunks of "
+          f"{options.chunk}) and eviction")
+    print(f"{'stream':<6} {'context':>7} {'budget':>6} {'in stream':>9} {'recall':>6} "
+          f"{'hit':>6} {'est':>6} {'KL':>7} {'top-1':>6} {'recalled/layer':>14} "
+          f"{'TTFT ms':>8} {'recall ms':>9} {'full TTFT':>9} {'MiB moved':>9} "
+          f"{'host MiB':>8} {'stream s':>8} {'full s':>6}")
     for r in rows:
         est = "-" if r["estimated"] is None else f"{r['estimated']:.3f}"
         print(f"{r['stream']:<6} {r['context']:>7} {r['fraction']:>6.0%} "
-              f"{r['recall']:>6} {r['hit']:>6.3f} {est:>6} {r['kl']:>7.4f} "
-              f"{r['top1']:>6.0%} {r['recalled']:>14.0f} {r['ttft_ms']:>8.0f} "
-              f"{r['recall_ms']:>9.0f} {r['full_ttft_ms']:>9.0f} "
-              f"{r['bytes'] / 2**20:>9.1f} {r['host_mib']:>8.1f}")
-    for fraction in options.fractions:
+              f"{_on(r['in_stream']):>9} {r['recall']:>6} {r['hit']:>6.3f} {est:>6} "
+              f"{r['kl']:>7.4f} {r['top1']:>6.0%} {r['recalled']:>14.0f} "
+              f"{r['ttft_ms']:>8.0f} {r['recall_ms']:>9.0f} {r['full_ttft_ms']:>9.0f} "
+              f"{r['bytes'] / 2**20:>9.1f} {r['host_mib']:>8.1f} {r['stream_s']:>8.1f} "
+              f"{r['full_stream_s']:>6.1f}")
+    for fraction, in_stream in itertools.product(options.fractions, options.in_stream):
+        def chosen(mode: str, fraction=fraction, in_stream=in_stream) -> list[dict]:
+            return [r for r in rows if r["fraction"] == fraction and r["recall"] == mode
+                    and r["in_stream"] == in_stream]
+        where = f"at {fraction:.0%}, in stream {_on(in_stream):<3}"
         for mode in MODES:
-            chosen = [r for r in rows if r["fraction"] == fraction and r["recall"] == mode]
-            if not chosen:
+            if not chosen(mode):
                 continue
-            mean = {k: sum(r[k] for r in chosen) / len(chosen)
+            mean = {k: statistics.mean(r[k] for r in chosen(mode))
                     for k in ("hit", "kl", "top1", "ttft_ms", "full_ttft_ms")}
-            print(f"mean at {fraction:.0%}, recall {mode:<6}: hit "
-                  f"{mean['hit']:.3f}, KL {mean['kl']:.4f}, top-1 {mean['top1']:.0%}, TTFT "
-                  f"{mean['ttft_ms']:.0f} ms ({mean['ttft_ms'] / mean['full_ttft_ms']:.2f}x the "
-                  f"full cache's {mean['full_ttft_ms']:.0f} ms)")
-    for fraction in options.fractions:
-        off = [r["ttft_ms"] for r in rows if r["fraction"] == fraction and r["recall"] == "off"]
+            print(f"mean {where}, recall {mode:<6}: hit {mean['hit']:.3f}, KL "
+                  f"{mean['kl']:.4f}, top-1 {mean['top1']:.0%}, TTFT {mean['ttft_ms']:.0f} ms "
+                  f"({mean['ttft_ms'] / mean['full_ttft_ms']:.2f}x the full cache's "
+                  f"{mean['full_ttft_ms']:.0f} ms)")
+        off = [r["ttft_ms"] for r in chosen("off")]
         for mode in ("budget", "guard"):
-            on = [r["ttft_ms"] for r in rows if r["fraction"] == fraction and r["recall"] == mode]
+            on = [r["ttft_ms"] for r in chosen(mode)]
             if off and on:
-                t_off, t_on = sum(off) / len(off), sum(on) / len(on)
-                print(f"TTFT overhead of recall ({mode}) at {fraction:.0%}: "
-                      f"{t_on / t_off - 1:+.0%} ({t_off:.0f} -> {t_on:.0f} ms from the question "
-                      f"to its first token)")
+                t_off, t_on = statistics.mean(off), statistics.mean(on)
+                print(f"TTFT overhead of recall ({mode}) {where}: {t_on / t_off - 1:+.0%} "
+                      f"({t_off:.0f} -> {t_on:.0f} ms from the question to its first token)")
+        if chosen("off"):
+            stream_s = statistics.mean(r["stream_s"] for r in chosen("off"))
+            full_s = statistics.mean(r["full_stream_s"] for r in chosen("off"))
+            print(f"stream prefill {where}: {stream_s:.1f} s ({stream_s / full_s:.2f}x the "
+                  f"full cache's {full_s:.1f} s)")
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def needle_case(loaded: LoadedModel, task: str, context: int, depth: float, rng: random.Random
@@ -381,15 +406,11 @@ def retrieval(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
         for depth in options.depths:
             for _ in range(options.trials):
                 ids, question, key = needle_case(loaded, task, context, depth, rng)
-                for name, policy, size in (("full", "full", None), ("evict", options.policy,
-                                                                      budget)):
-                    cache = bench_cache(loaded, policy, size, host_tier_gib=None
-                                        if size is None else host_gib_for(loaded, context))
+                for cache, labels in retrieval_caches(loaded, options, context, budget):
                     cache.add_sequence(0)
                     feed(model, cache, 0, ids, chunk=options.chunk)
-                    for mode in ("off",) if size is None else ("off", "guard"):
+                    for mode, label in labels.items():
                         text = tok.decode(greedy_answer(model, cache, question, 8, mode))
-                        label = name if size is None else ("on" if mode == "guard" else "off")
                         hits[(task, depth, label)] = hits.get((task, depth, label), 0) + (
                             key in text)
                     del cache
@@ -398,13 +419,28 @@ def retrieval(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
     print(f"\n[recall retrieval] context {context}, budget {fraction:.0%} ({budget} tokens "
           f"resident per layer), policy {options.policy}, {options.trials} trials per depth; "
           f"correct answers")
-    print(f"{'task':<8} {'depth':>5} {'full':>5} {'off':>5} {'on':>5}")
+    columns = ["full", "off", "on"] + (["stream"] if True in options.in_stream else [])
+    print(f"{'task':<8} {'depth':>5} " + " ".join(f"{c:>6}" for c in columns)
+          + "   (stream: on, with recall in the stream too)")
     for task in tasks:
         for depth in options.depths:
-            cells = [f"{hits.get((task, depth, m), 0)}/{options.trials}"
-                     for m in ("full", "off", "on")]
-            print(f"{task:<8} {depth:>5.0%} " + " ".join(f"{c:>5}" for c in cells))
+            cells = [f"{hits.get((task, depth, m), 0)}/{options.trials}" for m in columns]
+            print(f"{task:<8} {depth:>5.0%} " + " ".join(f"{c:>6}" for c in cells))
     return {f"{t}@{d}@{m}": n for (t, d, m), n in hits.items()}
+
+
+def retrieval_caches(loaded: LoadedModel, options: RecallBenchOptions, context: int,
+                     budget: int):
+    """The retrieval part's caches, one at a time, each with {recall mode: column}: the full
+    cache; the evicting one with recall off and on; with recall in the stream too, when the
+    options ask for it."""
+    host = host_gib_for(loaded, context)
+    yield bench_cache(loaded, "full", None), {"off": "full"}
+    yield (bench_cache(loaded, options.policy, budget, host_tier_gib=host),
+           {"off": "off", "guard": "on"})
+    if True in options.in_stream:
+        yield (bench_cache(loaded, options.policy, budget, host_tier_gib=host,
+                           recall_in_stream=True), {"guard": "stream"})
 
 
 def greedy_answer(model, cache: PagedKVCache, question: list[int], tokens: int,
@@ -469,13 +505,15 @@ def _plot(rows: list[dict], options: RecallBenchOptions, out_dir) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for metric, ax, label in (("hit", axes[0], "exact KV hit rate"),
                               ("top1", axes[1], "top-1 agreement with the full cache")):
-        for mode, style in (("off", "--"), ("budget", ":"), ("guard", "-")):
+        for (mode, style), in_stream in itertools.product(
+                (("off", "--"), ("budget", ":"), ("guard", "-")), options.in_stream):
             xs = list(options.fractions)
-            ys = []
-            for f in xs:
-                chosen = [r[metric] for r in rows if r["fraction"] == f and r["recall"] == mode]
-                ys.append(100 * sum(chosen) / len(chosen))
-            ax.plot([x * 100 for x in xs], ys, style, marker="o", label=f"recall {mode}")
+            ys = [100 * statistics.mean(r[metric] for r in rows if r["fraction"] == f
+                                        and r["recall"] == mode and r["in_stream"] == in_stream)
+                  for f in xs]
+            ax.plot([x * 100 for x in xs], ys, style, marker="o" if in_stream else "x",
+                    alpha=1.0 if in_stream else 0.5,
+                    label=f"recall {mode}, in stream {_on(in_stream)}")
         ax.set_xlabel("resident budget (% of the context)")
         ax.set_ylabel(f"{label} (%)")
         ax.set_ylim(0, 105)

@@ -31,7 +31,9 @@ class CacheConfig:
     With `host_tier_gib`, eviction is a tier change: evicted pages go to host memory (see
     `host_tier`), and each answer recalls the pages its question attends to most (`recall`):
     `recall_tokens` per layer, more while the estimated KV hit rate is below
-    `recall_min_hit_rate`, never past the model's trained context.
+    `recall_min_hit_rate`, never past the model's trained context. With `recall_in_stream`
+    every streamed chunk of two or more tokens recalls the same way into the session's own
+    working set (eviction then sends back what it needs least).
     """
 
     page_size: int = 16
@@ -61,8 +63,16 @@ class CacheConfig:
     disk_tier_gib: float | None = None  # past the host tier: memory-mapped files this size
     disk_tier_dir: str | None = None  # where their (unlinked) files go; default: the temp dir
     recall_tokens: int | None = None  # per layer and answer; default: the layer budget
-    recall_queries: int = 8  # the question's last queries that score the host tier
+    # the question's last queries that score the host tier: a question's every token
+    # (answers agreed with the full cache's more often with all of them than with the last 8)
+    recall_queries: int = 32
     recall_min_hit_rate: float = 0.95  # the guard: recall more below this estimated hit rate
+    # streamed chunks recall too, so the stream's own keys and values are computed over what
+    # it attends to (answers then agree with the full cache far more often); costs a recall
+    # per chunk of the stream
+    recall_in_stream: bool = False
+    recall_stream_queries: int = 32  # a streamed chunk's queries (spread over it) that score
+    # the host tier
 
     def __post_init__(self) -> None:
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
@@ -93,10 +103,12 @@ class CacheConfig:
                                  "host_tier_gib too")
             if self.disk_tier_gib <= 0:
                 raise ValueError("disk_tier_gib must be positive (or None for no disk tier)")
+        if self.recall_in_stream and self.host_tier_gib is None:
+            raise ValueError("recall_in_stream recalls from the host tier: set host_tier_gib")
         if not 0.0 <= self.recall_min_hit_rate <= 1.0:
             raise ValueError("recall_min_hit_rate must be within [0, 1]")
-        if self.recall_queries < 1:
-            raise ValueError("recall_queries must be >= 1")
+        if self.recall_queries < 1 or self.recall_stream_queries < 1:
+            raise ValueError("recall_queries and recall_stream_queries must be >= 1")
         if self.recall_tokens is not None and self.recall_tokens < 1:
             raise ValueError("recall_tokens must be >= 1 (or None for the layer budget)")
 

@@ -75,6 +75,8 @@ class TierStats:
     recall_bytes: int = 0  # bytes read from the tier by recalls
     guard_recalls: int = 0  # recalls the hit-rate guard extended
     recall_seconds: float = 0.0
+    stream_recalls: int = 0  # streamed chunks that recalled (`recall_in_stream`)
+    restored_tokens: int = 0  # tokens those moved back into their sequence's working set
 
 
 class HostTier:
@@ -215,6 +217,12 @@ class HostTier:
         return (k.to(self.device, non_blocking=self.pinned),
                 v.to(self.device, non_blocking=self.pinned), meta)
 
+    def restore(self, rec: TierLayer, index: torch.Tensor) -> None:
+        """Pages `index` of `rec` went back into their sequence's working set (a streamed
+        chunk recalled them): they leave the tier, not counted as dropped; what the working
+        set evicts again comes back through `store`."""
+        self.stats.restored_tokens += self._remove(rec, index)
+
     # -- pages -----------------------------------------------------------------------------
 
     def _make_room(self, count: int) -> None:
@@ -248,13 +256,17 @@ class HostTier:
 
     def _drop(self, rec: TierLayer, index: torch.Tensor) -> None:
         """Pages `index` of `rec` leave the tiers for good (counted)."""
-        dropped = int(rec.counts[index].sum())
-        self.stats.dropped_tokens += dropped
-        self.tokens -= dropped
+        self.stats.dropped_tokens += self._remove(rec, index)
+
+    def _remove(self, rec: TierLayer, index: torch.Tensor) -> int:
+        """Free pages `index` of `rec` and forget them; returns their tokens."""
+        tokens = int(rec.counts[index].sum())
+        self.tokens -= tokens
         self._release([rec.pages[i] for i in index.tolist()])
         staying = torch.ones(rec.num_pages, dtype=torch.bool)
         staying[index] = False
         rec.keep(torch.nonzero(staying).flatten())
+        return tokens
 
     def _release(self, pages: list[int]) -> None:
         base = self.host.capacity_pages

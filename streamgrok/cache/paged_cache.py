@@ -292,6 +292,7 @@ class PagedKVCache:
     def commit(self) -> None:
         """The step succeeded: keep its tokens and apply the attention mass it observed."""
         reservation, self._reservation = self._reservation, None
+        self.recaller.end_step(committed=True)
         if reservation is None:
             return
         for rec, mass, queries in reservation.masses:
@@ -301,6 +302,7 @@ class PagedKVCache:
     def rollback(self) -> None:
         """The step failed: drop its tokens and pages; the cache is as before `reserve`."""
         reservation, self._reservation = self._reservation, None
+        self.recaller.end_step(committed=False)  # first: the layers as the step found them
         if reservation is None:
             return
         for seq_id, (layers, stream_pos, next_group, last_source) in reservation.saved.items():
@@ -357,6 +359,10 @@ class PagedKVCache:
             starts[seq_id] = [layer.length for layer in seq.layers]
             self._append_records(seq, info.slice(row, row + n))
         self.stats.appended_tokens += batch.num_tokens
+        if self.config.recall_in_stream and self.tier is not None:
+            for seq_id, _, n in spans:
+                if n >= 2:
+                    self.recaller.arm_stream(seq_id)
         records = {s: self.sequences[s].layers for s, _, _ in spans}
         batch.backend_state = build_attention_plan(spans, records, starts, self.config.page_size,
                                               self.device)

@@ -183,12 +183,14 @@ def attention_scale(head_dim: int) -> float:
 
 
 def insert_tokens(pool, kernels: KernelOps, rec, k: torch.Tensor, v: torch.Tensor,
-                  meta: torch.Tensor) -> None:
+                  meta: torch.Tensor, release_old: bool = True) -> list[int]:
     """Put recalled tokens (K/V [m, kvh, D] unrotated, records [m, META_COLUMNS], both in
     stream order) back into the layer `rec` in stream order, on fresh pages of `pool`: the
     resident entries are copied as stored, the recalled ones written like new tokens. The old
-    pages are released (shared ones stay with their other owner). Raises CacheFullError,
-    changing nothing, when the pool has too few free pages."""
+    pages are released (shared ones stay with their other owner) unless `release_old` is
+    False: then the caller holds them (to put the layer back, `LayerUndo`) and must release
+    them. Returns the old pages. Raises CacheFullError, changing nothing, when the pool has
+    too few free pages."""
     n, m = rec.length, k.shape[0]
     resident_stream = rec.column(STREAM).contiguous()
     recalled_stream = meta[:, STREAM].contiguous()
@@ -209,4 +211,6 @@ def insert_tokens(pool, kernels: KernelOps, rec, k: torch.Tensor, v: torch.Tenso
     score = rec.score.new_zeros(n + m)
     score[to_resident.to(score.device)] = rec.score[:n]
     rec.replace_records(merged, score)
-    pool.release(old_pages)
+    if release_old:
+        pool.release(old_pages)
+    return old_pages

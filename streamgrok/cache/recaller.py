@@ -6,7 +6,13 @@ Two ways in, one rule (`streamgrok.cache.recall`):
   at every layer of that forward pass, before the question's attention, the question's own
   queries at that layer score the layer's host pages and the best come back, so the question
   attends over them and its keys and values above are computed with them;
-* explicitly: `capture(seq)`, a forward pass that records the last queries, then `recall(seq)`.
+* explicitly: `capture(seq)`, a forward pass that records the last queries, then `recall(seq)`;
+* in the stream (`CacheConfig.recall_in_stream`): a streamed chunk of the sequence that owns
+  the host pages recalls in its own pass as a question does (its queries spread over the
+  chunk), so the keys and values it stores above the first layer are computed over what it
+  attends to, as the full cache's would be. This is a tier change, not a copy: once the step
+  commits the recalled pages leave the host tier, and eviction sends back what the working
+  set needs least; a step that fails puts each layer back as it was (`end_step`).
 
 Owned by one PagedKVCache and used on its thread only.
 """
@@ -21,7 +27,7 @@ import torch
 
 from kernels.paged_read import COMPILED_MIN_TOKENS
 from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, refresh_layer
-from streamgrok.cache.host_tier import stand_in_layer
+from streamgrok.cache.host_tier import TierLayer, stand_in_layer
 from streamgrok.cache.page_scorer import PageScorer
 from streamgrok.cache.recall import (
     PageChoice,
@@ -32,7 +38,7 @@ from streamgrok.cache.recall import (
     insert_tokens,
     rotate,
 )
-from streamgrok.cache.tokens import STREAM
+from streamgrok.cache.tokens import STREAM, LayerTokens
 from streamgrok.errors import CacheFullError
 
 if TYPE_CHECKING:
@@ -48,6 +54,20 @@ class _Armed:
     result: RecallResult
     hits: list[float] = field(default_factory=list)
     bytes_before: int = 0
+    stream: bool = False  # a streamed chunk of the tier's own sequence (its pages move)
+
+
+@dataclass
+class _Moved:
+    """A layer a streamed chunk's recall changed, held until its step commits or fails."""
+
+    rec: LayerTokens
+    old_pages: list[int]  # the layer's pages before the recall, not yet released
+    old_meta: torch.Tensor
+    old_score: torch.Tensor
+    old_length: int
+    tier_layer: TierLayer
+    index: torch.Tensor  # the host pages that came back, ascending
 
 
 class Recaller:
@@ -58,6 +78,7 @@ class Recaller:
         self._captures: dict[int, QueryCapture] = {}
         self._armed: dict[int, _Armed] = {}
         self._done: dict[int, RecallResult] = {}
+        self._moved: list[_Moved] = []  # this step's streamed-chunk recalls, in order
         self.scorer = PageScorer()
         self._rehearsed = False  # whether the scorer has seen a question's kind of call
 
@@ -78,6 +99,38 @@ class Recaller:
                                      RecallResult(layer_tokens=[0] * len(seq.layers)),
                                      bytes_before=self._tier_bytes())
 
+    def arm_stream(self, seq_id: int) -> bool:
+        """Recall inside the next pass of a streamed chunk of `seq_id` when it owns host
+        pages (a session's stream, not an answer's fork) and is not armed already; returns
+        whether it was armed."""
+        seq = self.cache.sequences[seq_id]
+        tier = self.cache.tier
+        if seq_id in self._armed or tier is None or seq.tier_source != seq_id or \
+                not any(layer.num_pages for layer in tier.sequences.get(seq_id, [])):
+            return False
+        self._armed[seq_id] = _Armed(0, self.cache.config.recall_min_hit_rate,
+                                     RecallResult(layer_tokens=[0] * len(seq.layers)),
+                                     stream=True)
+        return True
+
+    def end_step(self, committed: bool) -> None:
+        """The step's streamed-chunk recalls are kept (`committed`: the recalled pages leave
+        the host tier, the layers' old pages are released) or undone (each layer exactly as
+        before its recall, the host pages untouched); a streamed recall whose pass did not
+        reach its last layer is disarmed."""
+        for seq_id in [s for s, armed in self._armed.items() if armed.stream]:
+            del self._armed[seq_id]
+        moved, self._moved = self._moved, []
+        pool = self.cache.pool
+        for move in moved if committed else reversed(moved):
+            if committed:
+                pool.release(move.old_pages)
+                self.cache.tier.restore(move.tier_layer, move.index)
+            else:
+                pool.release(move.rec.pages)
+                move.rec.put_back(move.old_pages, move.old_meta, move.old_score,
+                                  move.old_length)
+
     def take(self, seq_id: int) -> RecallResult | None:
         """The result of the sequence's in-pass recall, once its pass has run."""
         return self._done.pop(seq_id, None)
@@ -95,22 +148,31 @@ class Recaller:
                 continue
             started = time.perf_counter()
             start = plan.starts[seq_id][layer]
-            keep = self.cache.config.recall_queries
-            positions = torch.arange(start, start + count, device=q.device)[-keep:]
-            queries = (q[row : row + count][-keep:], positions)
+            config = self.cache.config
+            keep = config.recall_stream_queries if armed.stream else config.recall_queries
+            picked = _query_rows(count, keep, armed.stream)
+            positions = start + picked.to(q.device)
+            queries = (q[row : row + count][picked.to(q.device)], positions)
             added = self._recall_layer(self.cache.sequences[seq_id], layer, queries, start,
                                        armed.room, armed.min_hit_rate, armed.result,
-                                       armed.hits, own_keys=k[row : row + count])
+                                       armed.hits, own_keys=k[row : row + count],
+                                       stream=armed.stream)
             if added:
                 plan.starts[seq_id][layer] = start + added
                 moved = True
             armed.result.seconds += time.perf_counter() - started
             if last:
                 del self._armed[seq_id]
-                self._done[seq_id] = self._finish(armed.result, armed.hits, armed.bytes_before)
+                if armed.stream:
+                    self.cache.tier.stats.stream_recalls += 1
+                else:
+                    self._done[seq_id] = self._finish(armed.result, armed.hits,
+                                                      armed.bytes_before)
         if moved:
             records = {s: self.cache.sequences[s].layers for s, _, _ in plan.spans}
             refresh_layer(plan, layer, records, self.cache.config.page_size)
+        if last and self._moved and not self.cache.reserved:
+            self.end_step(committed=True)  # no step to fail (a pass run without `reserve`)
         return plan
 
     @property
@@ -196,10 +258,13 @@ class Recaller:
 
     def _recall_layer(self, seq: SequenceState, layer: int, queries, resident: int,
                       room: int, min_hit_rate: float, result: RecallResult,
-                      hits: list[float], own_keys: torch.Tensor | None = None) -> int:
+                      hits: list[float], own_keys: torch.Tensor | None = None,
+                      stream: bool = False) -> int:
         """Bring the chosen pages into one layer; returns tokens added. `resident`: how many
         of the layer's leading tokens hold keys (the rest are this step's, not yet stored:
-        `own_keys`, unrotated, which the queries attend too)."""
+        `own_keys`, unrotated, which the queries attend too). `stream`: the pages move into
+        the tier's own sequence (`end_step` completes or undoes that) instead of being copied
+        into an answer's fork, which may hold them beyond its budget."""
         cache = self.cache
         tier_layer = cache.tier.layer(seq.tier_source, layer) if self._has_tier(seq) else None
         if tier_layer is None or tier_layer.num_pages == 0:
@@ -215,13 +280,19 @@ class Recaller:
         result.limited |= choice.limited
         if not choice.index.numel():
             return 0
-        k, v, meta = cache.tier.read(tier_layer, torch.sort(choice.index).values)
+        index = torch.sort(choice.index).values
+        k, v, meta = cache.tier.read(tier_layer, index)
+        before = (rec.meta, rec.score, rec.length)
         try:
-            insert_tokens(cache.pool, cache.kernels, rec, k, v, meta)
+            old_pages = insert_tokens(cache.pool, cache.kernels, rec, k, v, meta,
+                                      release_old=not stream)
         except CacheFullError:
             result.limited = True
             return 0
-        seq.budget_bonus[layer] += k.shape[0]
+        if stream:
+            self._moved.append(_Moved(rec, old_pages, *before, tier_layer, index))
+        else:
+            seq.budget_bonus[layer] += k.shape[0]
         result.layer_tokens[layer] = k.shape[0]
         return k.shape[0]
 
@@ -281,3 +352,12 @@ class Recaller:
             stats.guard_recalls += result.guard
             stats.recall_seconds += result.seconds
         return result
+
+
+def _query_rows(count: int, keep: int, spread: bool) -> torch.Tensor:
+    """Which of a chunk's `count` rows score the host pages: the last `keep` (a question:
+    its end asks), or `keep` spread evenly over the chunk and ending at its last row (a
+    streamed chunk, whose every token attends)."""
+    if not spread or count <= keep:
+        return torch.arange(max(0, count - keep), count)
+    return torch.linspace(0, count - 1, keep).round().to(torch.int64).unique()

@@ -73,6 +73,12 @@ class LayerTokens:
         """New metadata [n, META_COLUMNS] and scores [n] for all n tokens of the layer."""
         self.meta, self.score, self.length = meta, score, meta.shape[0]
 
+    def put_back(self, pages: list[int], meta: torch.Tensor, score: torch.Tensor,
+                 length: int) -> None:
+        """Pages and records as they were before a change that replaced them."""
+        self.set_pages(pages)
+        self.meta, self.score, self.length = meta, score, length
+
     def keep_only(self, keep: torch.Tensor) -> None:
         """Reorder metadata and scores to the kept token indices (ascending)."""
         m = keep.shape[0]

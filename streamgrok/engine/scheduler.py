@@ -193,6 +193,7 @@ class Scheduler:
             "disk_bytes_used": tier.disk_bytes, "spilled_tokens": stats.spilled_tokens,
             "recalled_tokens": stats.recalled_tokens, "recall_bytes": stats.recall_bytes,
             "guard_recalls": stats.guard_recalls, "recall_limited": self.stats.recall_limited,
+            "stream_recalls": stats.stream_recalls, "restored_tokens": stats.restored_tokens,
             "kv_hit_rate_mean": sum(rates) / len(rates) if rates else None,
         }
 

@@ -161,6 +161,13 @@ def _tier_metrics(tier: dict | None) -> Iterator[CounterMetricFamily | GaugeMetr
                               value=tier["recalled_tokens"])
     yield CounterMetricFamily("streamgrok_kv_guard_recalls",
                               "Recalls the hit-rate guard extended", value=tier["guard_recalls"])
+    yield CounterMetricFamily("streamgrok_kv_stream_recalls",
+                              "Streamed chunks that recalled from the host tier",
+                              value=tier["stream_recalls"])
+    yield CounterMetricFamily("streamgrok_kv_restored_tokens",
+                              "Tokens streamed chunks moved back from the host tier into "
+                              "their session's working set (summed over layers)",
+                              value=tier["restored_tokens"])
     rate = tier["kv_hit_rate_mean"]
     yield GaugeMetricFamily("streamgrok_kv_hit_rate",
                             "Estimated KV hit rate, mean of recent answers (NaN before any)",
