@@ -586,3 +586,21 @@ def test_page_summaries_keep_the_key_variance_of_each_rotary_plane():
     turned = apply_rotary(keys, angles.cos().expand(20, -1), angles.sin().expand(20, -1))
     _, _, turned_vars = _summaries(turned, counts, 16)
     torch.testing.assert_close(turned_vars, plane_vars)
+
+
+def test_a_dropped_cache_is_freed_at_once_not_by_the_collector():
+    """Nothing the cache owns refers back to it: a benchmark that builds many caches in a loop
+    grew by its page pool each time until the garbage collector happened to run."""
+    import gc
+    import weakref
+
+    cache = tiered()
+    stream(cache)
+    ask(cache)
+    ref = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -20,6 +20,7 @@ Owned by one PagedKVCache and used on its thread only.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,7 +75,9 @@ class Recaller:
     """Recall for the sequences of one cache."""
 
     def __init__(self, cache: PagedKVCache) -> None:
-        self.cache = cache
+        # a proxy, not a reference: the cache owns this, and a cycle between them would keep
+        # a dropped cache (its page pool, gigabytes) alive until the collector ran
+        self.cache = weakref.proxy(cache)
         self._captures: dict[int, QueryCapture] = {}
         self._armed: dict[int, _Armed] = {}
         self._done: dict[int, RecallResult] = {}
