@@ -505,14 +505,15 @@ def _plot(rows: list[dict], options: RecallBenchOptions, out_dir) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for metric, ax, label in (("hit", axes[0], "exact KV hit rate"),
                               ("top1", axes[1], "top-1 agreement with the full cache")):
-        for (mode, style), in_stream in itertools.product(
-                (("off", "--"), ("budget", ":"), ("guard", "-")), options.in_stream):
+        for (mode, style, colour), in_stream in itertools.product(
+                (("off", "--", "tab:gray"), ("budget", ":", "tab:blue"),
+                 ("guard", "-", "tab:red")), options.in_stream):
             xs = list(options.fractions)
             ys = [100 * statistics.mean(r[metric] for r in rows if r["fraction"] == f
                                         and r["recall"] == mode and r["in_stream"] == in_stream)
                   for f in xs]
             ax.plot([x * 100 for x in xs], ys, style, marker="o" if in_stream else "x",
-                    alpha=1.0 if in_stream else 0.5,
+                    color=colour, alpha=1.0 if in_stream else 0.45,
                     label=f"recall {mode}, in stream {_on(in_stream)}")
         ax.set_xlabel("resident budget (% of the context)")
         ax.set_ylabel(f"{label} (%)")
