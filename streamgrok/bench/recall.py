@@ -461,7 +461,9 @@ def long_stream(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
     model, tok = loaded.model, loaded.tokenizer
     total = options.flat_tokens
     host_gib = host_gib_for(loaded, 4 * options.budget)  # the tier fills and drops
-    cache = bench_cache(loaded, options.policy, options.budget, host_tier_gib=host_gib)
+    in_stream = True in options.in_stream  # the chunks' recalls are transients to keep flat
+    cache = bench_cache(loaded, options.policy, options.budget, host_tier_gib=host_gib,
+                        recall_in_stream=in_stream)
     cache.add_sequence(0)
     question = tok.encode(QUESTIONS["prose"])
     ids = long_ids(tok, prose_text, total)
@@ -470,7 +472,8 @@ def long_stream(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
     rows = []
     # each row is printed as it is measured, so a stream stopped early still shows its rows
     print(f"\n[recall long stream] {total} tokens of prose, budget {options.budget}, host "
-          f"tier {host_gib:.2f} GiB, a question with recall every {every} tokens", flush=True)
+          f"tier {host_gib:.2f} GiB, a question with recall every {every} tokens, recall "
+          f"in the stream {_on(in_stream)}", flush=True)
     print(f"{'tokens':>9} {'pages':>7} {'KV MiB':>8} {'host MiB':>9} {'dropped':>10} "
           f"{'RSS MiB':>8} {'s':>6}", flush=True)
     bar = tqdm(total=total, desc="bench kv recall long stream", unit="tok", leave=False)
