@@ -146,3 +146,26 @@ async def test_an_engine_sessions_stream_recalls_and_its_answers_still_work(tiny
             assert held == list(range(len(held)))  # no token lost or doubled
         await session.close()
         assert kv.tier.used_pages == 0 and kv.pool.used_pages == 0
+
+
+def test_the_streams_own_guard_threshold_bounds_what_a_chunk_recalls():
+    """Without the guard (threshold 0) a chunk recalls at most `recall_tokens` per layer;
+    with the recall guard asking for everything it recalls the whole evicted history."""
+    restored = {}
+    for threshold in (0.0, 1.0):
+        cache = tiered(recall_tokens=16, recall_in_stream=True,
+                       recall_stream_min_hit_rate=threshold)
+        cache.add_sequence(0)
+        for i in range(4):
+            append(cache, 0, CHUNK, seed=i)
+            cache.evict([0])
+        in_tier = cache.tier.tokens
+        before = cache.tier.stats.restored_tokens
+        append(cache, 0, CHUNK, seed=9)
+        restored[threshold] = cache.tier.stats.restored_tokens - before
+        assert 0 < restored[threshold] <= in_tier
+        if threshold == 1.0:
+            assert restored[threshold] == in_tier and cache.tier.tokens == 0
+    assert restored[0.0] <= 16 * CFG.num_layers < restored[1.0]
+    with pytest.raises(ValueError, match="recall_stream_min_hit_rate"):
+        CacheConfig(host_tier_gib=0.1, recall_stream_min_hit_rate=1.5)

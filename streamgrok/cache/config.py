@@ -73,6 +73,8 @@ class CacheConfig:
     recall_in_stream: bool = False
     recall_stream_queries: int = 32  # a streamed chunk's queries (spread over it) that score
     # the host tier
+    # the guard's threshold for streamed chunks (None: recall_min_hit_rate)
+    recall_stream_min_hit_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.kv_dtype != "auto" and self.kv_dtype not in KV_DTYPES:
@@ -107,6 +109,9 @@ class CacheConfig:
             raise ValueError("recall_in_stream recalls from the host tier: set host_tier_gib")
         if not 0.0 <= self.recall_min_hit_rate <= 1.0:
             raise ValueError("recall_min_hit_rate must be within [0, 1]")
+        if self.recall_stream_min_hit_rate is not None and \
+                not 0.0 <= self.recall_stream_min_hit_rate <= 1.0:
+            raise ValueError("recall_stream_min_hit_rate must be within [0, 1] (or None)")
         if self.recall_queries < 1 or self.recall_stream_queries < 1:
             raise ValueError("recall_queries and recall_stream_queries must be >= 1")
         if self.recall_tokens is not None and self.recall_tokens < 1:

@@ -111,7 +111,10 @@ class Recaller:
         if seq_id in self._armed or tier is None or seq.tier_source != seq_id or \
                 not any(layer.num_pages for layer in tier.sequences.get(seq_id, [])):
             return False
-        self._armed[seq_id] = _Armed(0, self.cache.config.recall_min_hit_rate,
+        config = self.cache.config
+        threshold = config.recall_stream_min_hit_rate
+        self._armed[seq_id] = _Armed(0, config.recall_min_hit_rate if threshold is None
+                                     else threshold,
                                      RecallResult(layer_tokens=[0] * len(seq.layers)),
                                      stream=True)
         return True
