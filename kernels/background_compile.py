@@ -83,7 +83,10 @@ class BackgroundCompiles:
             with self._lock:
                 self._ready.add(kind)
         except Exception as error:  # no C++ compiler, an unsupported platform
-            self.turn_off(error)
+            if threading.main_thread().is_alive():
+                self.turn_off(error)
+            # else the interpreter is exiting and its executors refuse the compiler's work
+            # ("cannot schedule new futures after shutdown"): nothing to warn about
         finally:
             with self._lock:
                 self._pending.pop(kind, None)

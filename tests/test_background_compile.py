@@ -63,3 +63,29 @@ def test_a_process_exiting_mid_compilation_waits_for_it_and_exits_cleanly(tmp_pa
     assert result.returncode == 0, result.stderr
     assert "terminate called" not in result.stderr
     assert done.read_text() == "finished"
+
+
+def test_a_compilation_the_exiting_interpreter_refuses_is_not_reported_as_a_failure():
+    # the compiler submits work to executors that shut down as the main thread ends (`make
+    # demo` printed "compiled paged K/V reads off (... cannot schedule new futures after
+    # shutdown); running eagerly" as its last line when a compilation outlived the stream)
+    script = textwrap.dedent("""
+        import logging, threading, time
+        from concurrent.futures import ThreadPoolExecutor
+        from kernels.background_compile import BackgroundCompiles
+
+        logging.basicConfig()
+        pool = ThreadPoolExecutor(1)
+
+        def compile_late() -> None:
+            while threading.main_thread().is_alive():
+                time.sleep(0.01)
+            time.sleep(0.2)
+            pool.submit(print)
+
+        BackgroundCompiles("test graphs").start("a", compile_late)
+        """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "running eagerly" not in result.stderr
