@@ -169,3 +169,36 @@ def test_the_streams_own_guard_threshold_bounds_what_a_chunk_recalls():
     assert restored[0.0] <= 16 * CFG.num_layers < restored[1.0]
     with pytest.raises(ValueError, match="recall_stream_min_hit_rate"):
         CacheConfig(host_tier_gib=0.1, recall_stream_min_hit_rate=1.5)
+
+
+async def test_sessions_in_nano_batches_recall_in_their_streams_independently(tiny_loaded):
+    """Two sessions streaming at once, their chunks split into two nano-batches: each stream
+    recalls from its own host pages only and keeps every one of its tokens once."""
+    import asyncio
+
+    from streamgrok.engine import Engine, EngineConfig
+    from streamgrok.model.sampling import SamplingParams
+
+    cache = CacheConfig(policy="h2o", budget_tokens=128, evict_slack_tokens=16,
+                        memory_gib=0.04, host_tier_gib=0.02, recall_in_stream=True)
+    config = EngineConfig(merge_window_s=0, nano_batches=2)
+    async with Engine(tiny_loaded, cache, config) as engine:
+        sessions = [engine.new_session("sys"), engine.new_session("sys")]
+
+        async def feed(session, word: str) -> None:
+            for i in range(8):
+                await session.append_message(f"{word} {i}: " + f"a {word} passed by. " * 12)
+
+        await asyncio.gather(feed(sessions[0], "car"), feed(sessions[1], "bird"))
+        answers = [s.ask("what passed by?", SamplingParams(max_tokens=3)) for s in sessions]
+        for answer in answers:  # asked after the notes: they were streamed first
+            assert await answer.text()
+        assert engine.snapshot()["host_tier"]["stream_recalls"] > 1
+        kv = engine.cache
+        for state in engine.scheduler.sessions.values():
+            for layer in range(tiny_loaded.config.num_layers):
+                held = stream_indices(kv, state.seq_id, layer)
+                assert held == list(range(len(held)))
+        for session in sessions:
+            await session.close()
+        assert kv.tier.used_pages == 0 and kv.pool.used_pages == 0
