@@ -71,8 +71,8 @@ class CacheConfig:
     # it attends to (answers then agree with the full cache far more often); costs a recall
     # per chunk of the stream
     recall_in_stream: bool = False
-    recall_stream_queries: int = 32  # a streamed chunk's queries (spread over it) that score
-    # the host tier
+    # a streamed chunk's queries (spread over it) that score the host tier
+    recall_stream_queries: int = 32
     # the guard's threshold for streamed chunks (None: recall_min_hit_rate)
     recall_stream_min_hit_rate: float | None = None
 

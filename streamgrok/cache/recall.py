@@ -188,8 +188,8 @@ def insert_tokens(pool, kernels: KernelOps, rec, k: torch.Tensor, v: torch.Tenso
     stream order) back into the layer `rec` in stream order, on fresh pages of `pool`: the
     resident entries are copied as stored, the recalled ones written like new tokens. The old
     pages are released (shared ones stay with their other owner) unless `release_old` is
-    False: then the caller holds them (to put the layer back, `LayerUndo`) and must release
-    them. Returns the old pages. Raises CacheFullError, changing nothing, when the pool has
+    False: then the caller holds them (to put the layer back: `Recaller.end_step`) and must
+    release them. Returns the old pages. Raises CacheFullError, changing nothing, when the pool has
     too few free pages."""
     n, m = rec.length, k.shape[0]
     resident_stream = rec.column(STREAM).contiguous()
