@@ -89,3 +89,24 @@ def test_a_compilation_the_exiting_interpreter_refuses_is_not_reported_as_a_fail
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert "running eagerly" not in result.stderr
+
+
+def test_threads_switch_faster_while_a_compilation_runs_and_as_before_after():
+    # dynamo holds the interpreter lock while it traces: the model's thread, which takes the
+    # lock back after every native operator, waited a whole switch interval each time
+    default = sys.getswitchinterval()
+    compiles, release = BackgroundCompiles("test graphs"), threading.Event()
+    other, other_release = BackgroundCompiles("other graphs"), threading.Event()
+    compiles.start("a", release.wait)
+    other.start("b", other_release.wait)
+    assert sys.getswitchinterval() < default
+    release.set()
+    assert compiles.wait(timeout=60)
+    assert sys.getswitchinterval() < default  # the other one still runs
+    other_release.set()
+    assert other.wait(timeout=60)
+    for _ in range(100):  # the thread restores it in its last lines, after `wait` returns
+        if sys.getswitchinterval() == default:
+            break
+        threading.Event().wait(0.01)
+    assert sys.getswitchinterval() == default
