@@ -460,7 +460,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         def on_off(text: str, option: str) -> tuple[bool, ...]:
             values = text.split(",")
-            if not values or set(values) - {"on", "off"}:
+            if set(values) - {"on", "off"}:
                 raise ValueError(f"{option} takes off, on or off,on, not {text!r}")
             return tuple(value == "on" for value in values)
 

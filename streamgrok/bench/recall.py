@@ -340,29 +340,28 @@ def _print_fidelity(rows: list[dict], options: RecallBenchOptions) -> None:
               f"{r['bytes'] / 2**20:>9.1f} {r['host_mib']:>8.1f} {r['stream_s']:>8.1f} "
               f"{r['full_stream_s']:>6.1f}")
     for fraction, in_stream in itertools.product(options.fractions, options.in_stream):
-        def chosen(mode: str, fraction=fraction, in_stream=in_stream) -> list[dict]:
-            return [r for r in rows if r["fraction"] == fraction and r["recall"] == mode
-                    and r["in_stream"] == in_stream]
+        chosen = {mode: [r for r in rows if r["fraction"] == fraction and r["recall"] == mode
+                         and r["in_stream"] == in_stream] for mode in MODES}
         where = f"at {fraction:.0%}, in stream {_on(in_stream):<3}"
         for mode in MODES:
-            if not chosen(mode):
+            if not chosen[mode]:
                 continue
-            mean = {k: statistics.mean(r[k] for r in chosen(mode))
+            mean = {k: statistics.mean(r[k] for r in chosen[mode])
                     for k in ("hit", "kl", "top1", "ttft_ms", "full_ttft_ms")}
             print(f"mean {where}, recall {mode:<6}: hit {mean['hit']:.3f}, KL "
                   f"{mean['kl']:.4f}, top-1 {mean['top1']:.0%}, TTFT {mean['ttft_ms']:.0f} ms "
                   f"({mean['ttft_ms'] / mean['full_ttft_ms']:.2f}x the full cache's "
                   f"{mean['full_ttft_ms']:.0f} ms)")
-        off = [r["ttft_ms"] for r in chosen("off")]
+        off = [r["ttft_ms"] for r in chosen["off"]]
         for mode in ("budget", "guard"):
-            on = [r["ttft_ms"] for r in chosen(mode)]
+            on = [r["ttft_ms"] for r in chosen[mode]]
             if off and on:
                 t_off, t_on = statistics.mean(off), statistics.mean(on)
                 print(f"TTFT overhead of recall ({mode}) {where}: {t_on / t_off - 1:+.0%} "
                       f"({t_off:.0f} -> {t_on:.0f} ms from the question to its first token)")
-        if chosen("off"):
-            stream_s = statistics.mean(r["stream_s"] for r in chosen("off"))
-            full_s = statistics.mean(r["full_stream_s"] for r in chosen("off"))
+        if chosen["off"]:
+            stream_s = statistics.mean(r["stream_s"] for r in chosen["off"])
+            full_s = statistics.mean(r["full_stream_s"] for r in chosen["off"])
             print(f"stream prefill {where}: {stream_s:.1f} s ({stream_s / full_s:.2f}x the "
                   f"full cache's {full_s:.1f} s)")
 

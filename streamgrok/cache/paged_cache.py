@@ -359,7 +359,7 @@ class PagedKVCache:
             starts[seq_id] = [layer.length for layer in seq.layers]
             self._append_records(seq, info.slice(row, row + n))
         self.stats.appended_tokens += batch.num_tokens
-        if self.config.recall_in_stream and self.tier is not None:
+        if self.config.recall_in_stream:  # the config has a host tier then
             for seq_id, _, n in spans:
                 if n >= 2:
                     self.recaller.arm_stream(seq_id)

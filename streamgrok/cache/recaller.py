@@ -156,9 +156,8 @@ class Recaller:
             start = plan.starts[seq_id][layer]
             config = self.cache.config
             keep = config.recall_stream_queries if armed.stream else config.recall_queries
-            picked = _query_rows(count, keep, armed.stream)
-            positions = start + picked.to(q.device)
-            queries = (q[row : row + count][picked.to(q.device)], positions)
+            picked = _query_rows(count, keep, armed.stream).to(q.device)
+            queries = (q[row : row + count][picked], start + picked)
             added = self._recall_layer(self.cache.sequences[seq_id], layer, queries, start,
                                        armed.room, armed.min_hit_rate, armed.result,
                                        armed.hits, own_keys=k[row : row + count],
