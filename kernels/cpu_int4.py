@@ -12,9 +12,10 @@ The native kernel (`kernels/cpu/int4_linear.cpp`, built with the other native CP
 `kernels.cpu_native`) reads the same layout and multiplies integers: each group of 32
 activations becomes int8 levels plus int8 levels of their remainder (x ~ d * (a + b / 254),
 within ~1e-5 of the group's peak: PyTorch's kernel rounds activations to bfloat16, ~4e-3), and
-AVX-512 VNNI sums the level products. SmolLM2 q4's 121 matmuls of one decode row, 2 threads:
-4.8 -> 3.1 ms (8 rows 15.6 -> 10.7; 1.3-1.6x up to 128 rows). Where the machine lacks VNNI or
-VBMI the kernel's portable loop is slower than PyTorch's, so `Int4Matmul` keeps PyTorch's.
+AVX-512 VNNI (or, on CPUs without AVX-512, AVX2's maddubs) sums the level products. Where the
+machine has neither, the kernel's portable loop is slower than PyTorch's, so `Int4Matmul` keeps
+PyTorch's there. `int4_kernel()` names the loop this build runs (`STREAMGROK_CPU_ISA` caps it;
+see kernels.cpu_native).
 """
 
 from __future__ import annotations
@@ -46,8 +47,15 @@ def int4_linear_reference(x: torch.Tensor, packed: torch.Tensor,
     return x.float() @ unpacked_transposed(packed, scales_and_zeros)
 
 
+def int4_kernel() -> str:
+    """The loop the built native int4 matmul runs: "avx512-vnni", "avx2" or "portable" (the
+    native kernels must be loaded: `load_native_kernels`)."""
+    return str(torch.ops.streamgrok_cpu.int4_linear_kernel())
+
+
 class Int4Matmul:
-    """Multiplies by int4 layers natively where the kernel is built with VNNI (see
+    """Multiplies by int4 layers natively where the kernel is built vectorized (AVX-512 VNNI
+    or AVX2; see
     `kernels.cpu_native.NativeBuild`: until then, and where it cannot be, PyTorch's kernel
     serves; no call waits for the compiler). One per model, shared by its int4 layers."""
 

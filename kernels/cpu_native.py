@@ -13,7 +13,9 @@ in between; each has a fake here for tracing).
 `NativeBuild` is how a caller uses them without ever waiting for the compiler: the first call
 that could use them starts the build on a background thread and gets False, as do calls
 until the ops are loaded (the PyTorch path serves meanwhile); a failed build turns them off
-with one warning. `STREAMGROK_NATIVE_ATTENTION=0` keeps every caller on its PyTorch path.
+with one warning. `STREAMGROK_NATIVE_ATTENTION=0` keeps every caller on its PyTorch path;
+`STREAMGROK_CPU_ISA=avx2|portable` builds them for less than the whole instruction set (the
+int4 matmul then runs its AVX2 or its portable loop).
 """
 
 from __future__ import annotations
@@ -38,6 +40,25 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _BUILD_LOCK = threading.Lock()  # one build and registration, whichever thread asks first
 # "0": the PyTorch paths instead of the native kernels (the name predates the int8 kernels)
 NATIVE_ATTENTION_ENV = "STREAMGROK_NATIVE_ATTENTION"
+# The most of this CPU's instruction set the kernels are built for: "native" (all of it, the
+# default), "avx2" (no AVX-512: what an AVX2-only CPU runs) or "portable" (no AVX: the plain
+# loops). Lets a machine with AVX-512 build and test the paths of the others.
+CPU_ISA_ENV = "STREAMGROK_CPU_ISA"
+ISA_CAP_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx"]}
+
+
+def isa_cap() -> str:
+    """The instruction-set cap STREAMGROK_CPU_ISA asks for ("native" where unset); raises
+    ValueError for a value that is not one of ISA_CAP_FLAGS."""
+    cap = os.environ.get(CPU_ISA_ENV, "native").strip().lower() or "native"
+    if cap not in ISA_CAP_FLAGS:
+        raise ValueError(f"{CPU_ISA_ENV}={cap!r}: expected one of {', '.join(ISA_CAP_FLAGS)}")
+    return cap
+
+
+def build_flags() -> list[str]:
+    """The C++ flags the native kernels are built with here (the ISA cap's included)."""
+    return [*_CFLAGS, *ISA_CAP_FLAGS[isa_cap()]]
 
 
 def native_kernels_by_default() -> bool:
@@ -63,12 +84,13 @@ def _build_and_register() -> None:
     import_compiler_quietly()
     from torch.utils import cpp_extension
 
+    flags = build_flags()
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    machine = f"{platform.machine()} {_cpu_flags()} {' '.join(_CFLAGS)} {torch.__version__}"
+    machine = f"{platform.machine()} {_cpu_flags()} {' '.join(flags)} {torch.__version__}"
     digest = hashlib.sha256(source + machine.encode()).hexdigest()[:12]
     try:
         cpp_extension.load(f"streamgrok_cpu_kernels_{digest}", [str(p) for p in SOURCES],
-                           extra_cflags=_CFLAGS, is_python_module=False, verbose=False)
+                           extra_cflags=flags, is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, a failed build, a failed load
         raise NativeKernelUnavailable(
             f"the native CPU kernels ({', '.join(p.name for p in SOURCES)}) were not built "

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -264,3 +267,32 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def skip_unless_int4_vectorized(built: bool, error: str | None) -> None:
+    """Skip (with the reason) where the native int4 matmul is not vectorized on this CPU:
+    its build failed, or the CPU (or STREAMGROK_CPU_ISA=portable) leaves only its portable
+    loop, where int4 layers keep PyTorch's kernel. A build that succeeds is checked by the
+    caller; this only names why the native path is not there to test."""
+    if built:
+        return
+    if error:
+        raise AssertionError(f"the native kernels did not build: {error}")
+    import pytest
+
+    from kernels.cpu_int4 import int4_kernel
+    pytest.skip(f"the native int4 matmul runs its {int4_kernel()} loop on this CPU "
+                "(no AVX2+FMA or AVX-512 VNNI): int4 layers keep PyTorch's kernel")
+
+
+def run_script(script: Path, env: dict[str, str], *args: str
+               ) -> subprocess.CompletedProcess[str]:
+    """`script` in a fresh process as a user's would run (no TRITON_INTERPRET), with the
+    tests' helpers importable and `env` set; asserts it succeeded."""
+    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full.update(env, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                                 full.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(script), *args], env=full,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

@@ -13,6 +13,7 @@ from helpers import (
     eager_decode,
     eagerly_prefilled,
     random_model,
+    skip_unless_int4_vectorized,
     tiny_config,
     write_gguf,
 )
@@ -47,6 +48,10 @@ def compiled_model(request, tmp_path_factory):
             model = load_model(path, weights="w8a8").model
         else:
             model = quantize_model(random_model(tiny_config()), weights)
+        if variant == "native":
+            layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+            skip_unless_int4_vectorized(layer.int4_matmul.wait_ready(timeout=900),
+                                        layer.int4_matmul.native.error)
     model.compiled_decode = CompiledDecode(enabled=True)
     cache = ContiguousKVCache(model.config, 1, 40, kv_dtype)
     with pytest.MonkeyPatch.context() as patch:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_model, tiny_config
+from helpers import random_model, skip_unless_int4_vectorized, tiny_config
 
 from kernels.cpu_int4 import GROUP, Int4Matmul, int4_linear_reference, unpacked_transposed
 from kernels.cpu_native import NATIVE_ATTENTION_ENV
@@ -109,8 +109,7 @@ def test_bad_operands_get_clear_errors(native):
 def test_an_int4_layer_multiplies_natively_once_built(native):
     fast, reference = int4_layer(192, 96, seed=8, matmul=native), int4_layer(192, 96, seed=8)
     x = activation_rows(4, 96, seed=9)
-    if not native.in_use:
-        pytest.skip("this CPU lacks AVX-512 VNNI/VBMI: int4 layers keep PyTorch's kernel")
+    skip_unless_int4_vectorized(native.in_use, native.native.error)
     assert not reference.int4_matmul.serves(x)  # off unless a model's loader turns it on
     got, want = fast(x), reference(x)
     exact = int4_linear_reference(x, fast.packed, fast.scales_and_zeros)
@@ -133,8 +132,7 @@ def test_native_layers_dequantize_from_a_shorter_chunk(native):
     """With the native kernels a chunk shorter than NATIVE_INT4_DEQUANTIZED_MIN_ROWS
     multiplies by the int4 kernel, and one that long by the weight the native unpacking
     builds (bfloat16 where the CPU has it), which equals PyTorch's unpacking."""
-    if not native.in_use:
-        pytest.skip("this CPU lacks AVX-512 VNNI/VBMI: int4 layers keep PyTorch's kernel")
+    skip_unless_int4_vectorized(native.in_use, native.native.error)
     assert NATIVE_INT4_DEQUANTIZED_MIN_ROWS < DEQUANTIZED_MIN_ROWS
     layer = int4_layer(128, 64, seed=10, matmul=native)
     x = activation_rows(NATIVE_INT4_DEQUANTIZED_MIN_ROWS - 1, 64, seed=11)

@@ -5,11 +5,7 @@ never imports the compiler or Triton."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +14,8 @@ from helpers import (
     eager_decode,
     eagerly_prefilled,
     random_model,
+    run_script,
+    skip_unless_int4_vectorized,
     tiny_config,
 )
 
@@ -26,7 +24,7 @@ from streamgrok.model.compiled_decode import NATIVE_ATTENTION_ENV, CompiledDecod
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.llama import fuse_projections
 from streamgrok.model.native_decode import native_step_fits
-from streamgrok.model.quantized import quantize_model, wait_native_int4
+from streamgrok.model.quantized import Int4Linear, quantize_model, wait_native_int4
 
 VOCAB = 320  # whole blocks of 64 output rows: the head is a native int4 layer
 
@@ -37,7 +35,9 @@ def q4_model(bias: bool = False, vocab: int = VOCAB):
         patch.setenv(NATIVE_ATTENTION_ENV, "1")
         config = tiny_config(vocab_size=vocab, attention_bias=bias)
         model = quantize_model(fuse_projections(random_model(config)), "q4")
-    assert wait_native_int4(model, timeout=900), "the native int4 kernel is off"
+    layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+    skip_unless_int4_vectorized(wait_native_int4(model, timeout=900),
+                                layer.int4_matmul.native.error)
     return model
 
 
@@ -128,19 +128,6 @@ def test_the_op_names_what_it_refuses():
     with pytest.raises(RuntimeError, match="int8 stores and only they"):
         op(**{**args, "key_scales": [torch.zeros(1, 2, 8, dtype=torch.float16)] * 2,
               "value_scales": [torch.zeros(1, 2, 8, dtype=torch.float16)] * 2})
-
-
-def run_script(script: Path, env: dict[str, str], *args: str
-               ) -> subprocess.CompletedProcess[str]:
-    """`script` in a fresh process as a user's would run (no TRITON_INTERPRET), with the
-    tests' helpers importable and `env` set; asserts it succeeded."""
-    full = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    full.update(env, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
-                                                 full.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, str(script), *args], env=full,
-                            capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def test_a_process_decoding_natively_imports_neither_the_compiler_nor_triton(tmp_path):

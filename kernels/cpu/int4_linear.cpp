@@ -8,8 +8,11 @@
 // near 1e-5 of the group's peak, finer than the bfloat16 activations PyTorch's kernel takes),
 // and AVX-512 VNNI sums four level products per instruction straight from the weights'
 // nibbles, which VBMI's byte permutes turn from the layout's [k][64 rows] order into the
-// [rows][4 k] order the instruction reads. Elsewhere a portable loop does the same
-// arithmetic (the integer sums are exact, so both give the same products).
+// [rows][4 k] order the instruction reads. On AVX2 (no VNNI), byte and word unpacks make the
+// same [rows][4 k] order and maddubs multiplies pairs of levels into 16-bit sums, which a
+// group's eight steps add without overflow (8 x 2 x 15 x 127 < 2^15) before one widening.
+// Elsewhere a portable loop does the same arithmetic (the integer sums are exact, so every
+// path gives the same products).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,12 +24,16 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define STREAMGROK_INT4_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define STREAMGROK_INT4_AVX2 1
 #endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -263,6 +270,128 @@ void block_vnni(const QuantizedRows& x, int64_t rows, const uint8_t* weights,
 
 #endif
 
+#ifdef STREAMGROK_INT4_AVX2
+
+constexpr int kSteps = kGroup / 4;  // four inputs a step, as the VNNI path takes them
+constexpr int64_t kGroupBytes = kGroup * (kBlock / 2);  // a block's weights of one group
+constexpr int64_t kGroupsAhead = 2;  // groups fetched ahead of their use (as block_vnni)
+
+// A group's 32 x 64 levels as [kSteps][8] vectors of [8 rows][4 k] bytes. Vector 4 h + p of a
+// step holds, for the half h (0: rows 0-31 from the low nibbles, 1: rows 32-63 from the high
+// ones), the rows {4p..4p+3, 16+4p..16+4p+3} of that half: the lane order the unpacks leave,
+// put right once per group by `rows_in_order`.
+inline void group_levels_avx2(const uint8_t* bytes, __m256i* levels) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int s = 0; s < kSteps; ++s, bytes += 4 * (kBlock / 2)) {
+    __m256i k[4];
+    for (int i = 0; i < 4; ++i)
+      k[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + i * (kBlock / 2)));
+    for (int h = 0; h < 2; ++h) {
+      __m256i n[4];
+      for (int i = 0; i < 4; ++i)
+        n[i] = h == 0 ? _mm256_and_si256(k[i], nibble)
+                      : _mm256_and_si256(_mm256_srli_epi16(k[i], 4), nibble);
+      const __m256i pairs01_low = _mm256_unpacklo_epi8(n[0], n[1]);  // rows 0-7, 16-23
+      const __m256i pairs23_low = _mm256_unpacklo_epi8(n[2], n[3]);
+      const __m256i pairs01_high = _mm256_unpackhi_epi8(n[0], n[1]);  // rows 8-15, 24-31
+      const __m256i pairs23_high = _mm256_unpackhi_epi8(n[2], n[3]);
+      __m256i* out = levels + s * 8 + 4 * h;
+      out[0] = _mm256_unpacklo_epi16(pairs01_low, pairs23_low);    // rows 0-3, 16-19
+      out[1] = _mm256_unpackhi_epi16(pairs01_low, pairs23_low);    // rows 4-7, 20-23
+      out[2] = _mm256_unpacklo_epi16(pairs01_high, pairs23_high);  // rows 8-11, 24-27
+      out[3] = _mm256_unpackhi_epi16(pairs01_high, pairs23_high);  // rows 12-15, 28-31
+    }
+  }
+}
+
+inline __m256i broadcast_four_avx2(const int8_t* levels) {
+  int32_t four;
+  std::memcpy(&four, levels, sizeof(four));
+  return _mm256_set1_epi32(four);
+}
+
+// The four sums vectors of a half (in the unpacks' row order) as rows 0-7, 8-15, 16-23, 24-31.
+inline void rows_in_order(const __m256i* sums, __m256i* ordered) {
+  ordered[0] = _mm256_permute2x128_si256(sums[0], sums[1], 0x20);
+  ordered[1] = _mm256_permute2x128_si256(sums[2], sums[3], 0x20);
+  ordered[2] = _mm256_permute2x128_si256(sums[0], sums[1], 0x31);
+  ordered[3] = _mm256_permute2x128_si256(sums[2], sums[3], 0x31);
+}
+
+// One row's sums over one group for the 32 rows of half `h`, added to its results [64].
+inline void row_half_of_group(const QuantizedRows& x, int64_t row, int64_t g, int h,
+                              const __m256i* levels, const __m256* scales, const __m256* zeros,
+                              float* result) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i coarse[4], fine[4];
+  for (int p = 0; p < 4; ++p) coarse[p] = fine[p] = _mm256_setzero_si256();
+  const int64_t at = row * x.width + g * kGroup;
+  for (int s = 0; s < kSteps; ++s) {
+    const __m256i a = broadcast_four_avx2(x.coarse.data() + at + 4 * s);
+    const __m256i b = broadcast_four_avx2(x.fine.data() + at + 4 * s);
+    const __m256i* step_levels = levels + s * 8 + 4 * h;
+    for (int p = 0; p < 4; ++p) {
+      coarse[p] = _mm256_add_epi16(coarse[p], _mm256_maddubs_epi16(step_levels[p], a));
+      fine[p] = _mm256_add_epi16(fine[p], _mm256_maddubs_epi16(step_levels[p], b));
+    }
+  }
+  for (int p = 0; p < 4; ++p) {
+    coarse[p] = _mm256_madd_epi16(coarse[p], ones);
+    fine[p] = _mm256_madd_epi16(fine[p], ones);
+  }
+  __m256i coarse_rows[4], fine_rows[4];
+  rows_in_order(coarse, coarse_rows);
+  rows_in_order(fine, fine_rows);
+  const float step = x.step[row * x.groups + g], sum = x.sum[row * x.groups + g];
+  const __m256 d = _mm256_set1_ps(step), fine_d = _mm256_set1_ps(step / kResidualSteps);
+  const __m256 total = _mm256_set1_ps(sum);
+  for (int p = 0; p < 4; ++p) {
+    __m256 products = _mm256_mul_ps(_mm256_cvtepi32_ps(coarse_rows[p]), d);
+    products = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fine_rows[p]), fine_d, products);
+    float* out = result + 32 * h + 8 * p;
+    __m256 value = _mm256_loadu_ps(out);
+    value = _mm256_fmadd_ps(scales[4 * h + p], products, value);
+    value = _mm256_fmadd_ps(zeros[4 * h + p], total, value);
+    _mm256_storeu_ps(out, value);
+  }
+}
+
+// Block `block`'s 64 outputs of every row: each group's levels reordered once, then every
+// row's sums over them, half a block at a time (a half's accumulators fill the registers).
+void block_avx2(const QuantizedRows& x, int64_t rows, const uint8_t* weights,
+                const uint16_t* scales_zeros, int64_t out_features, int64_t block,
+                float* results, float* out) {
+  const int64_t first = block * kBlock;
+  const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m256 eight = _mm256_set1_ps(8.f);
+  std::fill(results, results + rows * kBlock, 0.f);
+  alignas(32) __m256i levels[8 * kSteps];
+  for (int64_t g = 0; g < x.groups; ++g) {
+    streamgrok_cpu::prefetch(weights + (g + kGroupsAhead) * kGroupBytes, kGroupBytes);
+    if (g + kGroupsAhead < x.groups)
+      streamgrok_cpu::prefetch(scales_zeros + ((g + kGroupsAhead) * out_features + first) * 2,
+                               kBlock * 2 * sizeof(uint16_t));
+    group_levels_avx2(weights + g * kGroupBytes, levels);
+    // a (scale, zero) pair is one 32-bit word: scale in the low half, zero in the high one
+    const uint16_t* pairs = scales_zeros + (g * out_features + first) * 2;
+    __m256 scales[8], zeros[8];
+    for (int p = 0; p < 8; ++p) {
+      const __m256i words =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 16 * p));
+      scales[p] = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+      zeros[p] = _mm256_fnmadd_ps(eight, scales[p],
+                                  _mm256_castsi256_ps(_mm256_and_si256(words, high_half)));
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int h = 0; h < 2; ++h)
+        row_half_of_group(x, r, g, h, levels, scales, zeros, results + r * kBlock);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(out + r * out_features + first, results + r * kBlock, sizeof(float) * kBlock);
+}
+
+#endif
+
 // That `packed` and `scales_and_zeros` are the layout of a weight [out, in_features].
 void check_layout(const char* op, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                   int64_t in_features) {
@@ -308,6 +437,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
       std::vector<float> results(rows * kBlock);
       for (int64_t block = begin; block < end; ++block)
         block_vnni(quantized, rows, w + block * block_bytes, sz, out_features, block, permutes,
+                   results.data(), o);
+    });
+    return out;
+  }
+#elif defined(STREAMGROK_INT4_AVX2)
+  if (!portable) {
+    at::parallel_for(0, out_features / kBlock, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> results(rows * kBlock);
+      for (int64_t block = begin; block < end; ++block)
+        block_avx2(quantized, rows, w + block * block_bytes, sz, out_features, block,
                    results.data(), o);
     });
     return out;
@@ -381,13 +520,18 @@ at::Tensor int4_unpack_transposed(const at::Tensor& packed, const at::Tensor& sc
   return out;
 }
 
-bool int4_linear_vectorized() {
-#ifdef STREAMGROK_INT4_VNNI
-  return true;
+// Which loop int4_linear runs unless told `portable`: "avx512-vnni", "avx2" or "portable".
+std::string int4_linear_kernel() {
+#if defined(STREAMGROK_INT4_VNNI)
+  return "avx512-vnni";
+#elif defined(STREAMGROK_INT4_AVX2)
+  return "avx2";
 #else
-  return false;
+  return "portable";
 #endif
 }
+
+bool int4_linear_vectorized() { return int4_linear_kernel() != "portable"; }
 
 }  // namespace
 
@@ -395,6 +539,7 @@ TORCH_LIBRARY_FRAGMENT(streamgrok_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, bool portable=False)"
         " -> Tensor");
   m.def("int4_linear_vectorized() -> bool", &int4_linear_vectorized);
+  m.def("int4_linear_kernel() -> str", &int4_linear_kernel);
   m.def("int4_unpack_transposed(Tensor packed, Tensor scales_and_zeros, ScalarType dtype)"
         " -> Tensor");
 }

@@ -14,6 +14,7 @@ to a model already built."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -239,10 +240,16 @@ class Int4Linear(nn.Module):
         out_features, in_features = q.shape
         self.on_cpu = cpu_kernel
         self.int4_matmul = int4_matmul or Int4Matmul(enabled=False)
-        self.unpacks = False  # whether `_transposed` can read the packed layout
-        if self.on_cpu:  # the layout PyTorch's CPU kernel reads
+        self.unpacks = False  # whether the layout is the native kernels' (`_transposed`)
+        # whether PyTorch's CPU int4 kernel reads the packed layout (its layout depends on
+        # the CPU: with AVX-512 it is the native kernels' own, with AVX2 another)
+        self.torch_kernel = self.on_cpu
+        if self.on_cpu and out_features % Q4_CPU_BLOCK == 0:  # the native kernels' layout
+            packed = pack_blocks(q)
+            self.unpacks = True
+            self.torch_kernel = torch_packs_as_blocks()
+        elif self.on_cpu:  # the layout PyTorch's CPU kernel reads
             packed = _pack_for_cpu(q)
-            self.unpacks = _unpacks_exactly(packed, q)
         else:  # two values a byte, dequantized per call
             packed = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
         self.register_buffer("packed", packed)
@@ -263,11 +270,14 @@ class Int4Linear(nn.Module):
                 native and torch.compiler.is_compiling()):
             dtype = prefill_dtype()
             out = torch.matmul(flat.to(dtype), self._transposed(dtype)).to(x.dtype)
-        elif native:  # the layout check (`unpacks`) passed: the native kernel reads it
+        elif native:  # the native kernels' layout (`unpacks`): the native kernel reads it
             out = self.int4_matmul.multiply(flat, self.packed, self.scales_and_zeros)
             out = out.to(x.dtype)
-        elif self.on_cpu:
+        elif self.torch_kernel:
             out = self._kernel(flat).to(x.dtype)
+        elif self.unpacks:  # a layout PyTorch's kernel does not read, the native one not built
+            dtype = prefill_dtype()
+            out = torch.matmul(flat.to(dtype), self._transposed(dtype)).to(x.dtype)
         else:
             out = F.linear(flat, self.dequantized(x.dtype))
         if self.bias is not None:
@@ -297,6 +307,26 @@ class Int4Linear(nn.Module):
         scales = self.scales_and_zeros[..., 0].t().float().repeat_interleave(Q4_GROUP, dim=1)
         zeros = self.scales_and_zeros[..., 1].t().float().repeat_interleave(Q4_GROUP, dim=1)
         return ((q - 8.0) * scales + zeros).to(dtype)
+
+
+def pack_blocks(levels: torch.Tensor) -> torch.Tensor:
+    """uint8 levels [out, in] (out a multiple of 64) in the native kernels' layout
+    (`kernels.cpu_int4`): block j of rows 64j..64j+63 is [in][32] bytes whose byte c holds
+    row c in its low nibble and row c + 32 in its high one; [out, in / 2] uint8."""
+    out_features, in_features = levels.shape
+    blocks = levels.to(torch.uint8).view(out_features // Q4_CPU_BLOCK, Q4_CPU_BLOCK, in_features)
+    half = Q4_CPU_BLOCK // 2
+    packed = blocks[:, :half] | (blocks[:, half:] << 4)  # [blocks, 32, in]
+    return packed.transpose(1, 2).contiguous().view(out_features, in_features // 2)
+
+
+@functools.cache
+def torch_packs_as_blocks() -> bool:
+    """Whether PyTorch's CPU int4 kernel, on this CPU, reads the native kernels' layout
+    (`pack_blocks`), so that it can multiply a layer packed that way: true where it runs its
+    AVX-512 code, not with AVX2, whose layout differs. Checked once, on one block."""
+    levels = torch.arange(Q4_CPU_BLOCK * 2 * Q4_GROUP).remainder(16).view(Q4_CPU_BLOCK, -1)
+    return _unpacks_exactly(_pack_for_cpu(levels), levels)
 
 
 def _pack_for_cpu(levels: torch.Tensor) -> torch.Tensor:
