@@ -22,9 +22,11 @@ def test_overload_degrades_live_sampling_first_then_refuses_new_sessions():
     slow = reading(cpu=0.5, ttft_s=5.0, sessions=4)
     gov.tick(slow)
     assert gov.degradation.fps_scale == 0.5 and "first token" in gov.degradation.reason
-    assert gov.admit(4) == ""  # degrading first: new sessions still come in
+    assert gov.admit(4) is None  # degrading first: new sessions still come in
     gov.tick(slow)
-    assert gov.degradation.fps_scale == 0.25 and "first token" in gov.admit(4)  # busy
+    refused = gov.admit(4)  # busy
+    assert gov.degradation.fps_scale == 0.25 and "first token" in str(refused)
+    assert refused.rule == "overload"
     gov.tick(slow)
     assert gov.degradation.fps_scale == 0.25  # never below the floor
 
@@ -33,10 +35,10 @@ def test_calm_restores_the_rate_step_by_step_and_admits_again():
     gov = governor()
     for _ in range(2):
         gov.tick(reading(cpu=0.97, sessions=8))
-    assert gov.admit(8).startswith("CPU at 97%")
+    assert gov.admit(8).detail.startswith("CPU at 97%")
     calm = reading(cpu=0.3, sessions=4)
     gov.tick(calm)  # sessions left: no longer over, admitted, but not restored at once
-    assert gov.admit(4) == ""
+    assert gov.admit(4) is None
     assert gov.degradation.fps_scale == 0.25
     gov.tick(calm)
     assert gov.degradation.fps_scale == 0.5
@@ -66,8 +68,9 @@ def test_many_sessions_at_once_are_admitted_up_to_the_learned_cost_then_refused(
         else:
             admitted += 1
     assert admitted == 9 and len(refused) == 11
-    assert "of the CPU" in refused[0] and gov.degradation.fps_scale == 0.25
-    assert gov.admit(3) == ""  # sessions that leave free their share at once
+    assert "of the CPU" in str(refused[0]) and gov.degradation.fps_scale == 0.25
+    assert refused[0].rule == "session_cpu"
+    assert gov.admit(3) is None  # sessions that leave free their share at once
 
 
 def test_recent_first_tokens_are_a_sliding_window():
@@ -79,13 +82,36 @@ def test_recent_first_tokens_are_a_sliding_window():
 
 def test_questions_are_refused_while_the_engine_is_behind():
     gov = governor()
-    assert gov.admit_question(1.5) == ""  # within the 2 s first-token target: queued
-    assert "waited 3.0 s" in gov.admit_question(3.0)
-    assert gov.admit_question(0.5, backlog_tokens=10_000, max_tokens=64) == ""  # rate unknown
-    gov.tick(reading(sessions=8, decode_rate=50.0))  # measured under load: 50 tokens/s
-    assert gov.admit_question(0.5, backlog_tokens=900, max_tokens=64) == ""  # 19.3 s
-    refused = gov.admit_question(0.5, backlog_tokens=1000, max_tokens=64)  # 21.3 s > 20 s
-    assert "1000 tokens of answers in flight at 50 tokens/s" in refused
+    assert gov.admit_question(1.5, backlog_tokens=10) is None  # within the 2 s target
+    refused = gov.admit_question(3.0, backlog_tokens=10)
+    assert refused.rule == "first_token_wait" and "waited 3.0 s" in str(refused)
+    assert "(rule: first_token_wait)" in str(refused)
+    assert gov.admit_question(0.5, backlog_tokens=10_000, max_tokens=64) is None  # rate unknown
+    gov.tick(reading(sessions=8, decode_rate=50.0), now=100.0)  # 50 tokens/s of decode steps
+    assert gov.admit_question(0.5, backlog_tokens=900, max_tokens=64, now=101.0) is None
+    refused = gov.admit_question(0.5, backlog_tokens=1000, max_tokens=64, now=101.0)
+    assert refused.rule == "answer_deadline"  # 21.3 s > 20 s
+    assert "1000 tokens of answers in flight at 50 tokens/s" in str(refused)
+
+
+def test_a_question_nobody_is_ahead_of_is_always_admitted():
+    """However slow the last reading, with no answer in flight and no question waiting
+    there is no queue for the new one to wait in."""
+    gov = governor()
+    gov.tick(reading(sessions=1, decode_rate=0.01), now=0.0)
+    assert gov.admit_question(0.0, backlog_tokens=0, max_tokens=1024, now=1.0) is None
+    assert gov.admit_question(0.0, backlog_tokens=5, max_tokens=1024, now=1.0) is not None
+
+
+def test_a_decode_rate_reading_expires():
+    gov = governor()
+    gov.tick(reading(sessions=1, decode_rate=1.0), now=0.0)
+    assert gov.admit_question(0.1, backlog_tokens=50, max_tokens=64, now=10.0) is not None
+    assert gov.current_decode_rate(now=10.0) == 1.0
+    assert gov.current_decode_rate(now=31.0) is None  # older than rate_ttl_s (30 s)
+    assert gov.admit_question(0.1, backlog_tokens=50, max_tokens=64, now=31.0) is None
+    gov.tick(reading(sessions=1, decode_rate=40.0), now=40.0)  # a fresh reading, not averaged
+    assert gov.current_decode_rate(now=40.0) == 40.0           # with the expired one
 
 
 def test_the_engine_answering_one_session_is_not_taken_for_a_per_session_cost():
@@ -93,7 +119,7 @@ def test_the_engine_answering_one_session_is_not_taken_for_a_per_session_cost():
     next sessions add 2% each, so 20 fit before anything degrades."""
     gov = governor()
     gov.tick(reading(cpu=0.5, media_cpu=0.02, sessions=1))
-    assert all(gov.admit(n) == "" for n in range(1, 20))
+    assert all(gov.admit(n) is None for n in range(1, 20))
     assert not gov.degradation.degraded
     gov.admit(21)
     assert gov.degradation.degraded
@@ -106,13 +132,13 @@ def test_a_server_left_idle_admits_again_at_once():
         gov.tick(reading(ttft_s=6.0, sessions=8))
     assert gov.admit(8)  # at the floor and slow: busy
     gov.tick(reading(cpu=0.1, ttft_s=gov.recent_ttft(0.0), sessions=0))  # everyone left
-    assert gov.admit(0) == "" and gov.recent_ttft(1e9) == 0.0
+    assert gov.admit(0) is None and gov.recent_ttft(1e9) == 0.0
 
 
-def test_the_drain_rate_is_read_only_from_ticks_busy_from_start_to_end():
-    from streamgrok.server.load import drain_rate
+def test_the_decode_rate_is_read_from_decode_step_time_only():
+    from streamgrok.server.load import decode_rate
 
-    assert drain_rate(100, 2.0, True, True) == 50.0
-    assert drain_rate(1, 2.0, True, False) is None  # the answer ended early in the tick
-    assert drain_rate(40, 2.0, False, True) is None  # it began during the tick
-    assert drain_rate(0, 2.0, True, True) is None
+    assert decode_rate(100, 2.0) == 50.0  # 100 tokens in 2 s of decode steps
+    assert decode_rate(1, 0.02) == 50.0  # an answer cancelled at its first decoded token
+    assert decode_rate(0, 0.0) is None  # nothing decoded: nothing measured
+    assert decode_rate(0, 1.0) is None

@@ -66,6 +66,7 @@ class EngineStats:
 
     steps: int = 0
     decode_tokens: int = 0
+    decode_seconds: float = 0.0  # time of the steps that decoded (prefill mixed in included)
     prefill_tokens: int = 0
     answers_started: int = 0
     answers_finished: int = 0
@@ -81,6 +82,8 @@ class EngineStats:
     def record(self, step: StepRecord) -> None:
         self.steps += 1
         self.decode_tokens += step.decode_tokens
+        if step.decode_tokens:
+            self.decode_seconds += step.seconds
         self.prefill_tokens += step.prefill_tokens
         self.recent.append(step)
 

@@ -123,6 +123,11 @@ class PendingQueue:
         with self._lock:
             return any(isinstance(i, QuestionMarker) for i in self.items)
 
+    def questions_waiting(self) -> int:
+        """How many questions wait here, not yet started."""
+        with self._lock:
+            return len(self.own_context) + sum(isinstance(i, QuestionMarker) for i in self.items)
+
     def _remove(self, victims: list[AppendItem], reason: str) -> None:
         for victim in victims:
             self.items.remove(victim)

@@ -153,12 +153,15 @@ class Scheduler:
             "sessions": len(sessions),
             "steps": stats.steps,
             "decode_tokens": stats.decode_tokens,
+            "decode_seconds": stats.decode_seconds,
             "prefill_tokens": stats.prefill_tokens,
             "answers": {
                 "started": stats.answers_started,
                 "finished": stats.answers_finished,
                 "cancelled": stats.answers_cancelled,
                 "failed": stats.answers_failed,
+                "in_flight": sum(len(s.answers) for s in sessions),  # started, not ended
+                "waiting": sum(s.pending.questions_waiting() for s in sessions),
             },
             "step_ms_p50": percentile(step_ms, 50),
             "step_ms_p95": percentile(step_ms, 95),

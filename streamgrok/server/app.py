@@ -31,8 +31,16 @@ from streamgrok.pipeline.pipeline import Pipeline
 from streamgrok.pipeline.resources import SharedResources
 from streamgrok.server.access import Access
 from streamgrok.server.connection import ClientConnection
-from streamgrok.server.load import CpuMeter, LoadGovernor, LoadLimits, LoadReading, drain_rate
+from streamgrok.server.load import (
+    CpuMeter,
+    LoadGovernor,
+    LoadLimits,
+    LoadReading,
+    Refusal,
+    decode_rate,
+)
 from streamgrok.server.metrics import ServerMetrics
+from streamgrok.server.refusals import RefusalLog
 
 log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -115,6 +123,8 @@ class StreamgrokServer:
             self.drops, lambda: self.engine.snapshot() if self.engine is not None else None,
             lambda: self.model_name)
         self.governor = LoadGovernor(self.resources.degradation, config.load_limits)
+        self.session_refusals = RefusalLog("session", self.metrics.refused)
+        self.question_refusals = RefusalLog("question", self.metrics.refused_questions)
         self.cpu = CpuMeter()
         self._governing: asyncio.Task | None = None
         self.closed_drops: Counter = Counter()  # what finished sessions dropped
@@ -215,15 +225,15 @@ class StreamgrokServer:
     async def _govern(self) -> None:
         """Measure the load every tick and let the governor degrade, restore or refuse."""
         received = stale = 0
-        decoded, since = self.engine.snapshot()["decode_tokens"], time.monotonic()
+        snapshot = self.engine.snapshot()
+        decoded, decoding = snapshot["decode_tokens"], snapshot["decode_seconds"]
         self.cpu.read()
         while True:
-            answering = self.backlog_tokens() > 0
             await asyncio.sleep(self.config.load_tick_s)
-            new_decoded, now = self.engine.snapshot()["decode_tokens"], time.monotonic()
-            rate = drain_rate(new_decoded - decoded, now - since, answering,
-                              self.backlog_tokens() > 0)
-            decoded, since = new_decoded, now
+            snapshot, now = self.engine.snapshot(), time.monotonic()
+            rate = decode_rate(snapshot["decode_tokens"] - decoded,
+                               snapshot["decode_seconds"] - decoding)
+            decoded, decoding = snapshot["decode_tokens"], snapshot["decode_seconds"]
             drops = self.drops()
             frames = self.closed_frames + sum(c.frame_index for c in self.connections
                                               if c.runner is not None)
@@ -238,17 +248,29 @@ class StreamgrokServer:
                 stale=new_stale / new_frames if new_frames > 0 else 0.0,
                 sessions=self.active_sessions,
                 decode_rate=rate,
-            ))
+            ), now)
             self.metrics.degraded.set(self.resources.degradation.fps_scale)
 
-    def admission(self) -> str:
-        """Why a new session is refused now (`busy`), or empty when there is room."""
+    def admission(self) -> Refusal | None:
+        """Why a new session is refused now (`busy`), or None when there is room; counted and
+        logged (`session_refusals`) either way."""
+        refused = self._session_refusal()
+        if refused is None:
+            self.session_refusals.admitted()
+        else:
+            self.session_refusals.refused(refused)
+        return refused
+
+    def _session_refusal(self) -> Refusal | None:
         if not self.accepting:
-            return "the server is shutting down"
+            return Refusal("shutting_down", "the server is shutting down")
         if self.active_sessions >= self.config.max_sessions:
-            return f"the server is configured for at most {self.config.max_sessions} sessions"
+            return Refusal("max_sessions", f"the server is configured for at most "
+                                           f"{self.config.max_sessions} sessions")
         refused = self.governor.admit(self.active_sessions)
-        return f"the server is at its sustainable load: {refused}" if refused else ""
+        if refused is None:
+            return None
+        return Refusal(refused.rule, f"the server is at its sustainable load: {refused.detail}")
 
     def oldest_wait(self, now: float) -> float:
         """How long the oldest question still without a first token has waited."""
@@ -258,13 +280,19 @@ class StreamgrokServer:
         """Tokens the answers in flight may still generate, over every session."""
         return sum(a.remaining_tokens for c in self.connections for a in c.answers.values())
 
-    def question_admission(self, max_tokens: int) -> str:
-        """Why a new question (of up to `max_tokens`) is refused now (`busy`), or empty to
-        queue it."""
-        if self.config.load_tick_s is None:  # the governor is off
-            return ""
-        return self.governor.admit_question(self.oldest_wait(time.monotonic()),
-                                            self.backlog_tokens(), max_tokens)
+    def question_admission(self, max_tokens: int) -> Refusal | None:
+        """Why a new question (of up to `max_tokens`) is refused now (`busy`), or None to
+        queue it; counted and logged (`question_refusals`) either way."""
+        refused = None
+        if self.config.load_tick_s is not None:  # the governor is on
+            now = time.monotonic()
+            refused = self.governor.admit_question(self.oldest_wait(now), self.backlog_tokens(),
+                                                   max_tokens, now)
+        if refused is None:
+            self.question_refusals.admitted()
+        else:
+            self.question_refusals.refused(refused)
+        return refused
 
     async def stop(self) -> None:
         """Close every connection and stop the engine and media workers (idempotent)."""

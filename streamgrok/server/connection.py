@@ -169,10 +169,8 @@ class ClientConnection:
         """Start this client's pipeline on a new engine session (refused `busy` when the
         server has no room; nothing is kept when the pipeline refuses to start)."""
         refused = self.server.admission()
-        if refused:
-            self.server.metrics.refused.inc()
-            log.warning("session refused: %s", refused, extra={"event": "session.refused"})
-            raise ProtocolError("busy", refused, message_id)
+        if refused is not None:
+            raise ProtocolError("busy", str(refused), message_id)
         pipeline = self.server.session_pipeline(options)
         runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)],
                                 resources=self.server.resources)
@@ -225,9 +223,8 @@ class ClientConnection:
                                 f"{len(self.answers)} queries in flight (max "
                                 f"{self.config.max_inflight_queries})", query_id)
         refused = self.server.question_admission(self.runner.pipeline.sampling.max_tokens)
-        if refused:
-            self.server.metrics.refused_questions.inc()
-            raise ProtocolError("busy", refused, query_id)
+        if refused is not None:
+            raise ProtocolError("busy", str(refused), query_id)
         self.queries_asked += 1
         query_id = query_id or f"q{self.queries_asked}"
         if listener is not None:

@@ -17,8 +17,14 @@ clients connect at once. The engine's time does not add up that way (the answers
 sessions decode in one batch), so it is guarded at the question instead: while the oldest
 question has waited longer than the first-token target, or the answers in flight would take
 longer than the answer deadline to finish at the decode rate measured under load, new
-questions get `busy` rather than a place in a queue they cannot leave in time. A session that
-leaves frees its share at once.
+questions get `busy` rather than a place in a queue they cannot leave in time. The decode rate
+that rule divides by is measured from the engine's own decode steps (tokens decoded over the
+seconds those steps took), never from wall time, so idle time or answers cancelled at their
+first token cannot make the engine look slow; a reading older than `rate_ttl_s` is forgotten,
+and a question with nobody ahead of it (no answer in flight, no question waiting) is always
+admitted. A session that leaves frees its share at once.
+
+Every refusal is a `Refusal`: the rule that refused and a message with the measured values.
 """
 
 from __future__ import annotations
@@ -46,6 +52,19 @@ class LoadLimits:
     min_fps_scale: float = 0.25
     calm_ticks: int = 3  # calm ticks in a row before the rate doubles back
     ttft_window_s: float = 20.0
+    rate_ttl_s: float = 30.0  # a decode-rate reading older than this is forgotten
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why something was refused `busy`: the `rule` (a short name, the metrics' label) and
+    a message with the values measured."""
+
+    rule: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.detail} (rule: {self.rule})"
 
 
 @dataclass
@@ -57,7 +76,7 @@ class LoadReading:
     ttft_s: float  # p95 of recent first tokens, or the oldest wait for one, if longer
     stale: float  # fraction of live frames that went stale since the last tick
     sessions: int
-    decode_rate: float | None = None  # tokens/s decoded while answers were in flight
+    decode_rate: float | None = None  # tokens per second of the engine's decode steps
 
 
 @dataclass
@@ -69,7 +88,8 @@ class LoadGovernor:
     last: LoadReading | None = None
     refusing: str = ""  # why new sessions are refused now, empty when admitted
     session_cpu: float | None = None  # the share of the cores one more session adds
-    decode_rate: float | None = None  # tokens/s the engine decodes under load (average)
+    decode_rate: float | None = None  # tokens/s of the engine's decode steps (average)
+    decode_rate_at: float = float("-inf")  # when decode_rate was last measured
     _calm: int = 0
     _ttfts: deque = field(default_factory=deque)  # (when, seconds)
 
@@ -81,17 +101,21 @@ class LoadGovernor:
             self._ttfts.popleft()
         return percentile([s for _, s in self._ttfts], 95) if self._ttfts else 0.0
 
-    def tick(self, reading: LoadReading) -> None:
-        """Apply one tick's measurements to the degradation level and admission."""
+    def tick(self, reading: LoadReading, now: float | None = None) -> None:
+        """Apply one tick's measurements (taken at `now`, monotonic) to the degradation level
+        and admission."""
+        now = time.monotonic() if now is None else now
         self.last = reading
+        if reading.decode_rate:
+            self.decode_rate = _average(self.current_decode_rate(now), reading.decode_rate)
+            self.decode_rate_at = now
         if not reading.sessions:  # nobody left: what the last load measured no longer holds
             self._ttfts.clear()
             self.refusing, self._calm = "", 0
+            self.decode_rate, self.decode_rate_at = None, float("-inf")
             self.degradation.fps_scale, self.degradation.reason = 1.0, ""
             return
         self.session_cpu = _average(self.session_cpu, reading.media_cpu / reading.sessions)
-        if reading.decode_rate:
-            self.decode_rate = _average(self.decode_rate, reading.decode_rate)
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
@@ -109,20 +133,26 @@ class LoadGovernor:
             level.fps_scale = min(1.0, level.fps_scale * 2)
             level.reason = "" if not level.degraded else level.reason
 
-    def admit(self, sessions: int) -> str:
-        """Why one more session (beside `sessions`) must be refused now, empty to admit it.
+    def current_decode_rate(self, now: float) -> float | None:
+        """The decode rate measured within the last `rate_ttl_s` at `now`, else None."""
+        if now - self.decode_rate_at > self.limits.rate_ttl_s:
+            return None
+        return self.decode_rate
+
+    def admit(self, sessions: int) -> Refusal | None:
+        """Why one more session (beside `sessions`) must be refused now, None to admit it.
         A session that would push the learned CPU cost past its limit first degrades live
         sampling (admitted); at the lowest rate it is refused."""
         if self.refusing:
-            return self.refusing
+            return Refusal("overload", self.refusing)
         cost, last = self.session_cpu, self.last
         if cost is None or last is None:
-            return ""
+            return None
         projected = last.cpu + (sessions + 1 - last.sessions) * cost
         if projected <= self.limits.cpu_high:
-            return ""
+            return None
         why = f"{sessions + 1} sessions would need {projected:.0%} of the CPU"
-        return "" if self._halve_rate(why) else why
+        return None if self._halve_rate(why) else Refusal("session_cpu", why)
 
     def _halve_rate(self, why: str) -> bool:
         """Halve live sampling for `why`, not below the floor; False when already there."""
@@ -133,22 +163,28 @@ class LoadGovernor:
         return True
 
     def admit_question(self, oldest_wait_s: float, backlog_tokens: int = 0,
-                       max_tokens: int = 0) -> str:
-        """Why a new question must be refused now (empty: queue it). The engine is behind
-        when the oldest question still waiting for its first token has waited past the
-        first-token target, or when the tokens the answers in flight may still generate
-        (`backlog_tokens`), plus this answer's `max_tokens`, would take longer than the
-        answer deadline at the decode rate measured under load."""
+                       max_tokens: int = 0, now: float | None = None) -> Refusal | None:
+        """Why a new question must be refused now (None: queue it). A question with nobody
+        ahead of it (no answer in flight: `backlog_tokens` 0, no question waiting:
+        `oldest_wait_s` 0) is always admitted. Otherwise the engine is behind when the oldest
+        question still waiting for its first token has waited past the first-token target,
+        or when the tokens the answers in flight may still generate (`backlog_tokens`), plus
+        this answer's `max_tokens`, would take longer than the answer deadline at the decode
+        rate measured within the last `rate_ttl_s`."""
+        if backlog_tokens <= 0 and oldest_wait_s <= 0:
+            return None
         limits = self.limits
         if oldest_wait_s > limits.ttft_target_s:
-            return (f"the engine is behind: a question has waited {oldest_wait_s:.1f} s for "
-                    f"its first token (target {limits.ttft_target_s:g} s)")
-        rate = self.decode_rate
+            return Refusal("first_token_wait",
+                           f"the engine is behind: a question has waited {oldest_wait_s:.1f} s "
+                           f"for its first token (target {limits.ttft_target_s:g} s)")
+        rate = self.current_decode_rate(time.monotonic() if now is None else now)
         if rate and (backlog_tokens + max_tokens) / rate > limits.answer_deadline_s:
-            return (f"the engine is behind: {backlog_tokens} tokens of answers in flight at "
-                    f"{rate:.0f} tokens/s would keep a new answer past "
-                    f"{limits.answer_deadline_s:g} s")
-        return ""
+            return Refusal("answer_deadline",
+                           f"the engine is behind: {backlog_tokens} tokens of answers in flight "
+                           f"at {rate:.0f} tokens/s would keep a new answer past "
+                           f"{limits.answer_deadline_s:g} s")
+        return None
 
     def _overload(self, reading: LoadReading) -> str:
         limits = self.limits
@@ -161,15 +197,13 @@ class LoadGovernor:
         return ""
 
 
-def drain_rate(decoded: int, seconds: float, busy_before: bool,
-               busy_after: bool) -> float | None:
-    """Tokens a second a backlog of answers drains at, from one tick: only a tick with
-    answers in flight from its start to its end measures it (one whose answers finished early
-    would count its idle rest as slowness: a 2 s tick that decoded an answer's last token
-    reads 0.5 tokens/s); None when the tick does not."""
-    if not (busy_before and busy_after) or decoded <= 0 or seconds <= 0:
+def decode_rate(decoded: int, decode_seconds: float) -> float | None:
+    """Tokens a second the engine decodes, from what its decode steps did between two reads:
+    `decoded` tokens in `decode_seconds` of steps that decoded (time the engine idled, or
+    spent on steps with nothing to decode, is not in it); None when nothing was decoded."""
+    if decoded <= 0 or decode_seconds <= 0:
         return None
-    return decoded / seconds
+    return decoded / decode_seconds
 
 
 class CpuMeter:

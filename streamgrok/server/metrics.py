@@ -36,11 +36,11 @@ class ServerMetrics:
                                ["model", "reason"], registry=r)
         self.errors = Counter("streamgrok_errors", "Error events sent, by code", ["code"],
                               registry=r)
-        self.refused = Counter("streamgrok_sessions_refused", "Sessions refused busy",
-                               registry=r)
+        self.refused = Counter("streamgrok_sessions_refused", "Sessions refused busy, by the "
+                               "rule that refused them", ["reason"], registry=r)
         self.refused_questions = Counter("streamgrok_questions_refused",
-                                         "Questions refused busy (the engine was behind)",
-                                         registry=r)
+                                         "Questions refused busy (the engine was behind), by "
+                                         "the rule that refused them", ["reason"], registry=r)
         self.outbound_dropped = Counter("streamgrok_outbound_dropped",
                                         "Messages dropped for slow clients", registry=r)
         self.degraded = Gauge("streamgrok_live_fps_scale", "Live sampling rate over the "

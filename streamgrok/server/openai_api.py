@@ -215,9 +215,8 @@ class OpenAIApi:
     def _admit(self, request: GenerationRequest) -> None:
         """Refuse (429) a new engine answer the server has no room for now."""
         refused = self.server.question_admission(request.sampling.max_tokens)
-        if refused:
-            self.server.metrics.refused_questions.inc()
-            raise ApiError(429, refused, "rate_limit_error", code="busy")
+        if refused is not None:
+            raise ApiError(429, str(refused), "rate_limit_error", code="busy")
 
     def _live_session_id(self, request: GenerationRequest, http: Request | None) -> str | None:
         if request.session is not None:
