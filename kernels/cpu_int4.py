@@ -20,10 +20,13 @@ see kernels.cpu_native).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kernels.cpu_native import NativeBuild
 
+log = logging.getLogger(__name__)
 GROUP = 32  # inputs per (scale, zero) pair
 BLOCK = 64  # output rows per block of the layout
 
@@ -84,6 +87,8 @@ class Int4Matmul:
     def _decide(self) -> None:
         self.in_use = bool(torch.ops.streamgrok_cpu.int4_linear_vectorized())
         self._decided = True
+        log.info("native int4 matmul: %s loop (%s)", int4_kernel(),
+                 "in use" if self.in_use else "PyTorch's kernel serves instead")
 
     def unpacked_transposed(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                             dtype: torch.dtype) -> torch.Tensor:

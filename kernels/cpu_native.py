@@ -105,6 +105,15 @@ def _build_and_register() -> None:
                                 _fake_int4_unpack_transposed)
 
 
+def simd_flags() -> str:
+    """This CPU's vector extensions that the native kernels' loops use (AVX-512 ones, AVX2,
+    FMA), as named in /proc/cpuinfo; "none known" where there are none."""
+    wanted = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx512_bf16",
+              "avx2", "fma")
+    present = set(_cpu_flags().split())
+    return " ".join(flag for flag in wanted if flag in present) or "none known"
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

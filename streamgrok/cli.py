@@ -423,6 +423,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("device", str(model.device)),
         ("threads", str(torch.get_num_threads())),
     ]
+    rows += _kernel_rows(model)
     if loaded.vision is not None:
         v = loaded.vision
         rows += [("vision", f"{v.family}: {v.vision.layers_run} of {v.vision.num_layers} "
@@ -436,6 +437,28 @@ def cmd_info(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _kernel_rows(model) -> list[tuple[str, str]]:
+    """The CPU's vector extensions and the native kernels' choice for this model (the build
+    is waited for: the first time on a machine it compiles)."""
+    from kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
+    from streamgrok.model.quantized import Int4Linear, wait_native_int4
+
+    rows = [("cpu vector extensions", simd_flags()),
+            ("native kernels built for", f"{isa_cap()} ({CPU_ISA_ENV})")]
+    if model.device.type != "cpu" or not any(isinstance(m, Int4Linear)
+                                              for m in model.modules()):
+        return rows
+    layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+    if wait_native_int4(model):
+        from kernels.cpu_int4 import int4_kernel
+        choice = f"native, {int4_kernel()} loop"
+    elif layer.int4_matmul.native.error:
+        choice = f"PyTorch's kernel (native build failed: {layer.int4_matmul.native.error})"
+    else:
+        choice = "PyTorch's kernel (native kernels off or not vectorized here)"
+    return rows + [("int4 matmul", choice)]
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
