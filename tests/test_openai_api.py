@@ -11,7 +11,7 @@ import cv2
 import httpx2 as httpx
 import openai
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from openai import AsyncOpenAI
 from websockets.asyncio.client import connect
@@ -230,6 +230,7 @@ async def test_health_is_503_until_the_model_is_loaded(tiny_loaded):
 @given(st.text("ab\n", max_size=30), st.lists(st.text("ab\n", min_size=1, max_size=3),
                                               min_size=1, max_size=3),
        st.lists(st.integers(0, 30), max_size=6))
+@example(text="aba", stops=["b", "aba"], cuts=[2])  # a longer stop that began earlier wins
 def test_stop_strings_cut_the_same_however_the_text_is_split(text, stops, cuts):
     from streamgrok.server.stop_strings import StopScanner
 
