@@ -20,6 +20,7 @@ from streamgrok.model.quantized import (
     Int8Linear,
     prefill_dtype,
     quantize_model,
+    torch_packs_as_blocks,
 )
 from streamgrok.model.quantized_embedding import Int8Embedding
 
@@ -48,13 +49,15 @@ def test_prefill_rows_multiply_by_the_dequantized_weight_like_the_kernel(kind, s
     weight = torch.randn(*shape) * 0.05
     bias = torch.randn(shape[0])
     quantized = kind(weight, bias)
-    if kind is Int4Linear:  # the unpacked layout is PyTorch's own: checked on each weight
+    if kind is Int4Linear:  # whole blocks of 64 rows take the native kernels' layout
         assert quantized.unpacks == (shape[0] % 64 == 0)
+        assert quantized.torch_kernel == (not quantized.unpacks or torch_packs_as_blocks())
     x = torch.randn(DEQUANTIZED_MIN_ROWS + 3, shape[1])
     prefill = quantized(x)
     kernel_rows = torch.cat([quantized(chunk) for chunk in x.split(7)])  # the packed kernel
     reference = torch.nn.functional.linear(x.bfloat16().float(), quantized.dequantized(), bias)
-    if kind is Int4Linear and quantized.unpacks:  # PyTorch's kernel reads it (in bfloat16)
+    if kind is Int4Linear and quantized.unpacks and quantized.torch_kernel:
+        # PyTorch's kernel reads the layout (in bfloat16) where its packing is the same
         eye = torch.eye(shape[1], dtype=torch.bfloat16)
         read_back = torch.ops.aten._weight_int4pack_mm_for_cpu(
             eye, quantized.packed, 32, quantized.scales_and_zeros).t().float()
