@@ -48,3 +48,45 @@ def test_the_top_level_exports_resolve():
     assert set(streamgrok.__all__) == {"__version__", *streamgrok.EXPORTS}
     for name in streamgrok.EXPORTS:
         assert getattr(streamgrok, name).__name__ == name
+
+
+def parser_vocabulary() -> tuple[set[str], set[str]]:
+    """Every command path (`chat`, `bench decode`, ...) and every option string the command
+    line parser knows, over all its subcommands."""
+    import argparse
+
+    from streamgrok.cli import build_parser
+
+    commands, options = set(), set()
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            options.update(s for s in action.option_strings if s.startswith("--"))
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    commands.add(f"{path} {name}".strip())
+                    walk(sub, f"{path} {name}".strip())
+
+    walk(build_parser(), "")
+    return commands, options
+
+
+def test_the_readme_is_short_and_has_the_two_commands():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 400, "the README is for users: details go to docs/"
+    assert "make demo" in text and "make test" in text
+    for heading in ("## Quick start", "## Serving", "## Writing a pipeline", "## Configuration",
+                    "## Current numbers", "## Documentation"):
+        assert heading in text, heading
+    for linked in re.findall(r"`(docs/[A-Za-z_-]+\.md|CHANGELOG\.md)`", text):
+        assert (README.parent / linked).is_file(), linked
+
+
+def test_every_command_and_flag_the_readme_names_exists():
+    commands, options = parser_vocabulary()
+    text = README.read_text()
+    named = set(re.findall(r"streamgrok ((?:bench )?[a-z]+)\b", text)) - {"is", "serving",
+                                                                          "import"}
+    assert named and named <= commands, named - commands
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text))
+    assert flags and flags <= options, flags - options
