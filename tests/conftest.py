@@ -17,6 +17,14 @@ os.environ.setdefault("STREAMGROK_COMPILED_DECODE", "0")
 # test's attention mid-way; tests/test_cpu_attention.py, test_cpu_paged_attention.py and
 # test_compiled_decode.py turn them on and check them against the PyTorch references.
 os.environ.setdefault("STREAMGROK_NATIVE_ATTENTION", "0")
+# A run that makes PyTorch's kernels take another instruction set (ATEN_CPU_CAPABILITY=avx2,
+# to test what an AVX2-only CPU runs) keeps its compiled graphs apart: inductor's cache does
+# not key on it, and a later run that loaded those graphs aborted in them.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{os.environ['ATEN_CPU_CAPABILITY']}")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
