@@ -17,22 +17,16 @@ os.environ.setdefault("STREAMGROK_COMPILED_DECODE", "0")
 # test's attention mid-way; tests/test_cpu_attention.py, test_cpu_paged_attention.py and
 # test_compiled_decode.py turn them on and check them against the PyTorch references.
 os.environ.setdefault("STREAMGROK_NATIVE_ATTENTION", "0")
-# A run that makes PyTorch's kernels take another instruction set (ATEN_CPU_CAPABILITY=avx2,
-# to test what an AVX2-only CPU runs) keeps its compiled graphs apart: inductor's cache does
-# not key on it, and a later run that loaded those graphs aborted in them.
-if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-    import tempfile
-
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{os.environ['ATEN_CPU_CAPABILITY']}")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from streamgrok.runtime import steady_host_allocator  # noqa: E402
+from streamgrok.runtime import separate_inductor_cache, steady_host_allocator  # noqa: E402
 
 steady_host_allocator()
+# a run under ATEN_CPU_CAPABILITY (testing an AVX2-only CPU's path) keeps its compiled graphs apart
+separate_inductor_cache()
 
 if not torch.cuda.is_available():
     # Triton kernels run interpreted on CPU tensors; must be set before kernels are imported.
