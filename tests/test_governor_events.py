@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import asynccontextmanager
 
 from prometheus_client import generate_latest
 from test_server import PIPELINE, recv_until, start, url
@@ -23,28 +24,11 @@ def governed_server(tiny_loaded, tick_s: float) -> StreamgrokServer:
                                                              memory_gib=0.05))
 
 
-async def test_an_idle_session_is_answered_after_the_slowest_reading(tiny_loaded):
-    """The state the issue found: the last decode-rate reading so low that any answer would
-    pass the deadline (1 token in a 2 s tick of wall time). With nothing in flight the
-    question is admitted and answered; before, every question got `busy` until a restart."""
-    srv = governed_server(tiny_loaded, tick_s=3600)  # readings by hand only
-    await srv.start()
-    try:
-        async with connect(url(srv)) as ws:
-            await start(ws)
-            srv.governor.tick(LoadReading(cpu=0.1, media_cpu=0.0, ttft_s=0.5, stale=0.0,
-                                          sessions=1, decode_rate=0.5))
-            await ws.send(json.dumps({"type": "query", "id": "idle", "text": "Hello?"}))
-            done, seen = await recv_until(ws, "response.done")
-            assert not [m for m in seen if m["type"] == "error"], seen
-            assert done["query_id"] == "idle" and done["finish_reason"] in ("stop", "length")
-    finally:
-        await srv.stop()
-
-
-async def test_refusals_are_counted_by_rule_in_metrics(tiny_loaded):
-    """A question refused while another is in flight names its rule and values, and
-    /metrics counts it under that rule."""
+@asynccontextmanager
+async def after_the_slowest_reading(tiny_loaded):
+    """A server whose governor measures only by hand, a session on it, and the state the
+    issue found: the last decode-rate reading so low (1 token in a 2 s tick of wall time)
+    that any answer would pass the deadline."""
     srv = governed_server(tiny_loaded, tick_s=3600)
     await srv.start()
     try:
@@ -52,24 +36,41 @@ async def test_refusals_are_counted_by_rule_in_metrics(tiny_loaded):
             await start(ws)
             srv.governor.tick(LoadReading(cpu=0.1, media_cpu=0.0, ttft_s=0.5, stale=0.0,
                                           sessions=1, decode_rate=0.5))
-            async with srv.engine.paused():  # the first answer cannot finish yet
-                await ws.send(json.dumps({"type": "query", "id": "first", "text": "One?"}))
-                while not any("first" in c.answers for c in srv.connections):
-                    await asyncio.sleep(0.01)
-                await ws.send(json.dumps({"type": "query", "id": "second", "text": "Two?"}))
-                error, _ = await recv_until(ws, "error")
-            assert error["code"] == "busy" and error["message_id"] == "second"
-            assert "(rule: answer_deadline)" in error["message"]
-            assert "tokens of answers in flight at 0 tokens/s" in error["message"]
-            await recv_until(ws, "response.done")
-            text = generate_latest(srv.metrics.registry).decode()
-            assert 'streamgrok_questions_refused_total{reason="answer_deadline"} 1.0' in text
-            assert srv.question_refusals.burst == 1
-            await ws.send(json.dumps({"type": "query", "id": "third", "text": "Three?"}))
-            await recv_until(ws, "response.done")  # nobody ahead: admitted, the burst ends
-            assert srv.question_refusals.burst == 0
+            yield srv, ws
     finally:
         await srv.stop()
+
+
+async def test_an_idle_session_is_answered_after_the_slowest_reading(tiny_loaded):
+    """With nothing in flight the question is admitted and answered; before, every question
+    got `busy` until a restart."""
+    async with after_the_slowest_reading(tiny_loaded) as (_, ws):
+        await ws.send(json.dumps({"type": "query", "id": "idle", "text": "Hello?"}))
+        done, seen = await recv_until(ws, "response.done")
+        assert not [m for m in seen if m["type"] == "error"], seen
+        assert done["query_id"] == "idle" and done["finish_reason"] in ("stop", "length")
+
+
+async def test_refusals_are_counted_by_rule_in_metrics(tiny_loaded):
+    """A question refused while another is in flight names its rule and values, and
+    /metrics counts it under that rule."""
+    async with after_the_slowest_reading(tiny_loaded) as (srv, ws):
+        async with srv.engine.paused():  # the first answer cannot finish yet
+            await ws.send(json.dumps({"type": "query", "id": "first", "text": "One?"}))
+            while not any("first" in c.answers for c in srv.connections):
+                await asyncio.sleep(0.01)
+            await ws.send(json.dumps({"type": "query", "id": "second", "text": "Two?"}))
+            error, _ = await recv_until(ws, "error")
+        assert error["code"] == "busy" and error["message_id"] == "second"
+        assert "(rule: answer_deadline)" in error["message"]
+        assert "tokens of answers in flight at 0 tokens/s" in error["message"]
+        await recv_until(ws, "response.done")
+        text = generate_latest(srv.metrics.registry).decode()
+        assert 'streamgrok_questions_refused_total{reason="answer_deadline"} 1.0' in text
+        assert srv.question_refusals.burst == 1
+        await ws.send(json.dumps({"type": "query", "id": "third", "text": "Three?"}))
+        await recv_until(ws, "response.done")  # nobody ahead: admitted, the burst ends
+        assert srv.question_refusals.burst == 0
 
 
 async def test_answers_cancelled_at_their_first_token_never_leave_the_server_refusing(
