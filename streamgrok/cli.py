@@ -671,8 +671,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def _process_defaults() -> None:
     """Environment defaults of a command's process, set before torch loads (so not at import:
     processes spawned from this module, such as benchmark workers, choose their own)."""
+    from streamgrok.inductor_cache import separate_inductor_cache
     from streamgrok.openmp_wait import set_idle_spin
-    from streamgrok.runtime import separate_inductor_cache
 
     set_idle_spin()  # idle torch workers spin briefly, then yield the cores
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import getpass
 import os
-import tempfile
 import time
 
 import torch
@@ -111,14 +109,3 @@ class StepTimer:
         end.synchronize()
         return self._begin.elapsed_time(end) / 1e3
 
-
-def separate_inductor_cache() -> None:
-    """Where PyTorch's kernels are told to take another instruction set
-    (ATEN_CPU_CAPABILITY), keep inductor's compiled graphs in a cache of their own
-    (TORCHINDUCTOR_CACHE_DIR, unless set): its cache key does not include the capability, and
-    a later default process that loaded such graphs aborted in them. Call before torch
-    compiles anything."""
-    capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    if capability and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
-            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{capability}")

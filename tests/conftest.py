@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from streamgrok.runtime import separate_inductor_cache, steady_host_allocator  # noqa: E402
+from streamgrok.inductor_cache import separate_inductor_cache  # noqa: E402
+from streamgrok.runtime import steady_host_allocator  # noqa: E402
 
 steady_host_allocator()
 # a run under ATEN_CPU_CAPABILITY (testing an AVX2-only CPU's path) keeps its compiled graphs apart
