@@ -1,8 +1,8 @@
 """The native CPU kernels (`kernels/cpu/*.cpp`): one extension, built on first use.
 
 The extension holds the attention kernels (`kernels.cpu_attention`), the float sides of
-w8a8's integer matmuls (`kernels.cpu_int8`) and the int4 matmul of a few rows
-(`kernels.cpu_int4`), and a whole int4 decode step through them
+w8a8's integer matmuls and the weight-only int8 matmul of a few rows (`kernels.cpu_int8`),
+the int4 matmul of a few rows (`kernels.cpu_int4`), and a whole int4 decode step through them
 (`streamgrok.model.native_decode`). It is built with PyTorch's C++ extension
 builder (the C++ compiler inductor needs anyway), for this machine's instruction set (the
 build's name carries a hash of the sources and of the CPU's flags, so a cache shared between
@@ -34,8 +34,9 @@ from kernels.background_compile import BackgroundCompiles, import_compiler_quiet
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = tuple(SOURCE_DIR / name for name in (
     "decode_attention.cpp", "paged_attention.cpp", "int8_rows.cpp", "int4_linear.cpp",
-    "decode_step.cpp"))
-HEADERS = (SOURCE_DIR / "attention_math.h", SOURCE_DIR / "native_ops.h")
+    "int8_linear.cpp", "decode_step.cpp"))
+HEADERS = (SOURCE_DIR / "attention_math.h", SOURCE_DIR / "native_ops.h",
+           SOURCE_DIR / "activation_levels.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _BUILD_LOCK = threading.Lock()  # one build and registration, whichever thread asks first
 # "0": the PyTorch paths instead of the native kernels (the name predates the int8 kernels)
@@ -101,6 +102,7 @@ def _build_and_register() -> None:
     torch.library.register_fake("streamgrok_cpu::scale_products", _fake_scale_products)
     torch.library.register_fake("streamgrok_cpu::swiglu_quantize_rows", _fake_swiglu)
     torch.library.register_fake("streamgrok_cpu::int4_linear", _fake_int4_linear)
+    torch.library.register_fake("streamgrok_cpu::int8_linear", _fake_int8_linear)
     torch.library.register_fake("streamgrok_cpu::int4_unpack_transposed",
                                 _fake_int4_unpack_transposed)
 
@@ -192,6 +194,11 @@ def _fake_swiglu(products: torch.Tensor, row_scales: torch.Tensor, col_scales: t
 def _fake_int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
                       portable: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32)
+
+
+def _fake_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                      portable: bool = False) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
 def _fake_int4_unpack_transposed(packed: torch.Tensor, scales_and_zeros: torch.Tensor,

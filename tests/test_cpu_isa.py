@@ -27,7 +27,7 @@ CHECK = textwrap.dedent("""
     import sys
     import torch
     from kernels.cpu_int4 import Int4Matmul, int4_kernel, unpacked_transposed
-    from streamgrok.model.quantized import Int4Linear
+    from streamgrok.model.quantized import Int4Linear, Int8Linear, QuantizedRows
 
     matmul = Int4Matmul(enabled=True)
     matmul.wait_ready()
@@ -53,6 +53,12 @@ CHECK = textwrap.dedent("""
         assert ((got.double() - exact).abs() <= bound).all(), (kernel, rows)
         assert ((plain.double() - exact).abs() <= bound).all(), ("portable", rows)
         assert torch.equal(got[0], torch.zeros(out_features))
+        head = Int8Linear.from_rows(QuantizedRows.of(weight, "q8"), None)
+        weight8 = head.qweight.double() * head.row_scales.double()[:, None]
+        bound8 = step @ weight8.abs().t() * 1.01 + (x.double().abs() @ weight8.abs().t()) * 1e-5 \
+            + 1e-6
+        got8 = torch.ops.streamgrok_cpu.int8_linear(x, head.qweight, head.row_scales)
+        assert ((got8.double() - x.double() @ weight8.t()).abs() <= bound8).all(), kernel
     print(kernel)
 """)
 

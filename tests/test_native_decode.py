@@ -24,29 +24,37 @@ from streamgrok.model.compiled_decode import NATIVE_ATTENTION_ENV, CompiledDecod
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.llama import fuse_projections
 from streamgrok.model.native_decode import native_step_fits
-from streamgrok.model.quantized import Int4Linear, quantize_model, wait_native_int4
+from streamgrok.model.quantized import (
+    Int4Linear,
+    Int8Linear,
+    quantize_model,
+    wait_native_int4,
+)
 
 VOCAB = 320  # whole blocks of 64 output rows: the head is a native int4 layer
 
 
-def q4_model(bias: bool = False, vocab: int = VOCAB):
-    """A tiny fused q4 model on the native int4 kernel."""
+def q4_model(bias: bool = False, vocab: int = VOCAB, int4_head: bool = False):
+    """A tiny fused q4 model on the native int4 kernel (its head int8, as q4's is, or int4)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(NATIVE_ATTENTION_ENV, "1")
         config = tiny_config(vocab_size=vocab, attention_bias=bias)
         model = quantize_model(fuse_projections(random_model(config)), "q4")
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+    if int4_head:
+        model.output = Int4Linear(model.output.dequantized(), None,
+                                  int4_matmul=layer.int4_matmul)
     skip_unless_int4_vectorized(wait_native_int4(model, timeout=900),
                                 layer.int4_matmul.native.error)
     return model
 
 
-@pytest.fixture(scope="module", params=["kv32", "kv8", "kv8 bias", "bf16"])
+@pytest.fixture(scope="module", params=["kv32", "kv8", "kv8 bias", "bf16", "kv32 int4head"])
 def native_model(request):
     """A q4 model whose decode steps run natively, and its caches' K/V dtype."""
     kv_name, *flags = request.param.split(" ")
     kv_dtype = {"kv32": torch.float32, "kv8": torch.int8, "bf16": torch.bfloat16}[kv_name]
-    model = q4_model(bias="bias" in flags)
+    model = q4_model(bias="bias" in flags, int4_head="int4head" in flags)
     model.compiled_decode = CompiledDecode(enabled=True)
     cache = ContiguousKVCache(model.config, 1, 40, kv_dtype)
     decode = model.compiled_decode
@@ -99,7 +107,11 @@ def test_which_models_fit_the_native_step():
     model = q4_model()
     assert native_step_fits(model, torch.int8) and native_step_fits(model, torch.float32)
     assert not native_step_fits(model, torch.float16)  # no native attention for it
-    assert not native_step_fits(q4_model(vocab=VOCAB - 16), torch.int8)  # a partial block
+    assert isinstance(model.output, Int8Linear)  # q4's head is int8: any vocabulary fits
+    assert native_step_fits(q4_model(vocab=VOCAB - 16), torch.int8)
+    assert native_step_fits(q4_model(int4_head=True), torch.int8)
+    # an int4 head fits in whole blocks of 64 rows only
+    assert not native_step_fits(q4_model(vocab=VOCAB - 16, int4_head=True), torch.int8)
     float_model = fuse_projections(random_model(tiny_config(vocab_size=VOCAB)))
     assert not native_step_fits(float_model, torch.int8)
     unfused = quantize_model(random_model(tiny_config(vocab_size=VOCAB)), "q4")

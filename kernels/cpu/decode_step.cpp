@@ -126,7 +126,9 @@ namespace streamgrok_cpu {
 // embedded [B, hidden] float32: the new tokens' embeddings. weights: per layer, attn_norm,
 // qkv packed, qkv scales_and_zeros, wo packed, wo scales, ffn_norm, gate_up packed, gate_up
 // scales, down packed, down scales (int4 layouts of int4_linear; gate_up is gate's rows then
-// up's); then the final norm, the head's packed and scales. qkv_biases: none, or one float32
+// up's); then the final norm, the head's weight and scales: int4 (packed uint8 and bfloat16
+// scales and zeros, as the layers') or int8 (int8 [vocab, hidden] and float32 scales [vocab],
+// int8_linear's). qkv_biases: none, or one float32
 // [(H + 2 KVH) D] per layer. keys/values: a store per layer, [B, KVH, capacity, D] float32,
 // bfloat16 or int8 (then key_scales/value_scales, float16 [B, KVH, capacity], else empty),
 // written at `positions` [B] int64; cos/sin [B, D/2] float32, the new positions' rotary.
@@ -248,6 +250,7 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
   }
   const at::Tensor* last = weights.data() + kLayerTensors * layers;
   rms_norm(xp, last[0].data_ptr<float>(), batch, hidden, norm_eps, hp);
+  if (last[1].scalar_type() == at::kChar) return int8_linear(h, last[1], last[2], false);
   return int4_linear(h, last[1], last[2], false);
 }
 

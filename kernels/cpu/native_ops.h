@@ -18,6 +18,11 @@ namespace streamgrok_cpu {
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
                        const at::Tensor& scales_and_zeros, bool portable);
 
+// x [rows, in] float32 times W^T, W [out, in] int8 with a float32 scale per output row
+// (int8_linear.cpp; the contract and the reference in kernels/cpu_int8.py): [rows, out].
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       bool portable);
+
 // q [B, H, D] float32; keys, values [B, KVH, capacity, D] float32, bfloat16 or int8,
 // contiguous; for int8, key_scales and value_scales [B, KVH, capacity] float16 (a value is
 // int8 * its row's scale); lengths [B] int64 (row b attends to positions < lengths[b],

@@ -96,7 +96,8 @@ def build_model(
     for index, (name, tensor) in enumerate(tensors):
         if quantize and name in linears:
             _check_shape(model, name, tensor)
-            packed.add(name, quantized_rows(rescaled(name, tensor.to(device)), weights))
+            packed.add(name, quantized_rows(rescaled(name, tensor.to(device)), weights,
+                                            head=name == "output.weight"))
             if index % TRIM_EVERY_TENSORS == 0:
                 release_free_memory()
         elif quantize and name == "embed.weight" and embedding_fits(tensor.shape[-1]):
@@ -105,7 +106,7 @@ def build_model(
             _check_shape(model, name, tensor)
             table = rescaled(name, tensor.to(device))
             if config.tie_embeddings:
-                packed.add("output.weight", quantized_rows(table, weights))
+                packed.add("output.weight", quantized_rows(table, weights, head=True))
             embedding = Int8Embedding.of(table)
             del table, tensor
             release_free_memory()
@@ -114,7 +115,8 @@ def build_model(
     if config.tie_embeddings and "output.weight" not in state and \
             "output.weight" not in packed.names:
         if quantize and "embed.weight" in state:
-            packed.add("output.weight", quantized_rows(state["embed.weight"], weights))
+            packed.add("output.weight", quantized_rows(state["embed.weight"], weights,
+                                                       head=True))
         else:
             state.setdefault("output.weight", state.get("embed.weight"))
     _check_names(model, config, set(state) | packed.names |

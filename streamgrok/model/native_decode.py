@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.cpu_attention import KV_DTYPES
-from streamgrok.model.quantized import Int4Linear
+from streamgrok.model.quantized import Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from streamgrok.model.compiled_decode import DecodeView
@@ -35,12 +35,21 @@ def _native_int4(layer: object, bias_allowed: bool = False) -> bool:
             and (bias_allowed or layer.bias is None))
 
 
+def _native_int8_head(layer: object) -> bool:
+    """Whether `layer` is a weight-only int8 head the native int8 kernel multiplies by."""
+    return (isinstance(layer, Int8Linear) and not layer.int8_activations
+            and layer.native_matmul.in_use and layer.bias is None
+            and layer.qweight.device.type == "cpu")
+
+
 def native_step_fits(model: Transformer, kv_dtype: torch.dtype) -> bool:
     """Whether `model`'s decode steps over a cache of `kv_dtype` can run as `NativeDecodeStep`:
-    float32 activations, fused q/k/v and gate/up, every projection and the head int4 on the
-    native kernel (built and vectorized: `wait_native_int4` first), q/k/v biases at most."""
+    float32 activations, fused q/k/v and gate/up, every projection int4 on the native kernel
+    (built and vectorized: `wait_native_int4` first), the head int4 or weight-only int8 on
+    the native kernels, q/k/v biases at most."""
     if kv_dtype not in KV_DTYPES or model.dtype != torch.float32 or \
-            model.config.head_dim % 2 or not _native_int4(model.output):
+            model.config.head_dim % 2 or not (_native_int4(model.output)
+                                              or _native_int8_head(model.output)):
         return False  # model.dtype is the final norm's
     for block in model.layers:
         attn, ffn = block.attn, block.ffn
@@ -69,8 +78,10 @@ class NativeDecodeStep:
                         ffn.w_down.packed, ffn.w_down.scales_and_zeros]
             if attn.wqkv.bias is not None:
                 biases.append(attn.wqkv.bias.float().contiguous())
-        weights += [model.norm.weight.contiguous(), model.output.packed,
-                    model.output.scales_and_zeros]
+        head = model.output
+        weights += [model.norm.weight.contiguous(),
+                    *((head.qweight, head.row_scales) if isinstance(head, Int8Linear)
+                      else (head.packed, head.scales_and_zeros))]
         self.weights = weights
         self.biases = biases
         self.num_heads = model.config.num_heads

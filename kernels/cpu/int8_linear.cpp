@@ -1,0 +1,164 @@
+// x W^T for a few rows of x and an int8 weight [out, in] with one float32 scale per output
+// row (weight-only int8: the q4 format's output head, q8 layers; see kernels/cpu_int8.py for
+// the contract and the reference).
+//
+// PyTorch's weight-only int8 kernel turns every weight into a float before multiplying. This
+// one multiplies integers, as the int4 kernel does: each group of 32 activations becomes int8
+// levels plus int8 levels of what they left over (activation_levels.h), and AVX2 multiplies
+// them by the weights 32 at a time: maddubs takes |activation| (unsigned) times the weight
+// with the activation's sign (int8; |products| <= 2 x 127 x 127 < 2^15), madd widens the
+// pairs to 32 bits. Elsewhere a portable loop does the same arithmetic (the integer sums are
+// exact, so both give the same products up to the float sums' order).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "activation_levels.h"
+#include "attention_math.h"
+#include "native_ops.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using streamgrok_cpu::kGroup;
+using streamgrok_cpu::kResidualSteps;
+using streamgrok_cpu::QuantizedRows;
+
+constexpr int64_t kRowsPerTask = 16;  // output rows a thread takes at least
+constexpr int64_t kMaxRows = 64;  // rows of x per pass over the weights (their sums fit L1)
+
+// Output row `r` of every row of x in [first, last): sum over groups of step * (coarse . w +
+// fine . w / 254), times the row's scale.
+void row_portable(const QuantizedRows& x, int64_t first, int64_t last, const int8_t* w,
+                  float scale, float* out, int64_t out_stride) {
+  for (int64_t i = first; i < last; ++i) {
+    float total = 0.f;
+    for (int64_t g = 0; g < x.groups; ++g) {
+      int32_t coarse = 0, fine = 0;
+      const int64_t at = i * x.width + g * kGroup;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        coarse += static_cast<int32_t>(x.coarse[at + k]) * w[g * kGroup + k];
+        fine += static_cast<int32_t>(x.fine[at + k]) * w[g * kGroup + k];
+      }
+      const float step = x.step[i * x.groups + g];
+      total += static_cast<float>(coarse) * step +
+               static_cast<float>(fine) * (step / kResidualSteps);
+    }
+    out[i * out_stride] = total * scale;
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+constexpr int64_t kOutTile = 4;  // output rows that share each load of the activations
+
+// |levels| . (weights with the levels' signs), pairs widened: 8 int32 sums of 4 products.
+inline __m256i products_of_32(__m256i magnitude, __m256i levels, __m256i weights,
+                              __m256i ones) {
+  return _mm256_madd_epi16(
+      _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(weights, levels)), ones);
+}
+
+// The four vectors' sums, as four floats.
+inline __m128 four_sums(const __m256* v) {
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+// Output rows r..r+3 of every row of x in [first, last).
+void rows_avx2(const QuantizedRows& x, int64_t first, int64_t last, const int8_t* w,
+               int64_t width, const float* scale, float* out, int64_t out_stride) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 sums[kMaxRows][kOutTile];
+  for (int64_t i = first; i < last; ++i)
+    for (int64_t j = 0; j < kOutTile; ++j) sums[i - first][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.groups; ++g) {
+    __m256i weights[kOutTile];
+    for (int64_t j = 0; j < kOutTile; ++j)
+      weights[j] = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(w + j * width + g * kGroup));
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t at = i * x.width + g * kGroup;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.coarse.data() + at));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.fine.data() + at));
+      const __m256i a_magnitude = _mm256_sign_epi8(a, a), b_magnitude = _mm256_sign_epi8(b, b);
+      const float step = x.step[i * x.groups + g];
+      const __m256 d = _mm256_set1_ps(step), fine_d = _mm256_set1_ps(step / kResidualSteps);
+      for (int64_t j = 0; j < kOutTile; ++j) {
+        const __m256i coarse = products_of_32(a_magnitude, a, weights[j], ones);
+        const __m256i fine = products_of_32(b_magnitude, b, weights[j], ones);
+        __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(coarse), d, sums[i - first][j]);
+        sums[i - first][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(fine), fine_d, sum);
+      }
+    }
+  }
+  const __m128 scales = _mm_loadu_ps(scale);
+  for (int64_t i = first; i < last; ++i) {
+    alignas(16) float result[kOutTile];
+    _mm_store_ps(result, _mm_mul_ps(four_sums(sums[i - first]), scales));
+    for (int64_t j = 0; j < kOutTile; ++j) out[i * out_stride + j] = result[j];
+  }
+}
+
+#endif
+
+}  // namespace
+
+namespace streamgrok_cpu {
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       bool portable) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "int8_linear: x must be a 2-d float32 CPU tensor, got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t rows = x.size(0), width = x.size(1);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.size(1) == width,
+              "int8_linear: weight must be int8 [out, ", width, "], got ", weight.scalar_type(),
+              " ", weight.sizes());
+  const int64_t out_features = weight.size(0);
+  TORCH_CHECK(width % kGroup == 0, "int8_linear: needs input sizes divisible by ", kGroup,
+              ", got ", width);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == out_features,
+              "int8_linear: scales must be float32 [", out_features, "], got ",
+              scales.scalar_type(), " ", scales.sizes());
+  const at::Tensor input = x.contiguous(), levels = weight.contiguous();
+  const at::Tensor row_scales = scales.contiguous();
+  const QuantizedRows quantized(input.data_ptr<float>(), rows, width);
+  at::Tensor out = at::empty({rows, out_features}, input.options());
+  const int8_t* w = levels.data_ptr<int8_t>();
+  const float* s = row_scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, out_features, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t first = 0; first < rows; first += kMaxRows) {
+      const int64_t last = std::min(rows, first + kMaxRows);
+      int64_t r = begin;
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; !portable && r + kOutTile <= end; r += kOutTile) {
+        streamgrok_cpu::prefetch(w + (r + kRowsPerTask) * width, kOutTile * width);
+        rows_avx2(quantized, first, last, w + r * width, width, s + r, o + r, out_features);
+      }
+#endif
+      for (; r < end; ++r)
+        row_portable(quantized, first, last, w + r * width, s[r], o + r, out_features);
+    }
+  });
+  return out;
+}
+
+}  // namespace streamgrok_cpu
+
+TORCH_LIBRARY_FRAGMENT(streamgrok_cpu, m) {
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, bool portable=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) {
+  m.impl("int8_linear", &streamgrok_cpu::int8_linear);
+}

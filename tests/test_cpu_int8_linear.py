@@ -1,0 +1,94 @@
+"""The native weight-only int8 matmul of a few rows (`kernels/cpu/int8_linear.cpp`: the q4
+format's output head, q8 layers) against the float product with the weight it reads, within
+the precision of its activation levels; its portable loop; an int8 layer with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import skip_unless_int4_vectorized
+
+from kernels.cpu_int4 import GROUP, Int4Matmul
+from streamgrok.model.quantized import NATIVE_INT8_MAX_ROWS, Int8Linear, QuantizedRows
+
+
+@pytest.fixture(scope="module")
+def native() -> Int4Matmul:
+    matmul = Int4Matmul(enabled=True)
+    matmul.wait_ready()
+    assert matmul.native.error is None, f"the native kernels did not build: {matmul.native.error}"
+    return matmul
+
+
+def int8_layer(out_features: int, in_features: int, seed: int,
+               matmul: Int4Matmul | None = None) -> Int8Linear:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+    return Int8Linear.from_rows(QuantizedRows.of(weight, "q8"), None, native_matmul=matmul)
+
+
+def activation_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Rows of very different ranges, a row of zeros and a group of zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=gen) * torch.logspace(-3, 2, rows)[:, None]
+    x[0] = 0.0
+    x[-1, GROUP:2 * GROUP] = 0.0
+    return x
+
+
+def weight_of(layer: Int8Linear) -> torch.Tensor:
+    """The weight [out, in] the native kernel multiplies by, in float64."""
+    return layer.qweight.double() * layer.row_scales.double()[:, None]
+
+
+def level_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each activation within 1/508 of its group's level step (peak / 127), times the
+    weights' magnitudes, plus float32 rounding."""
+    peaks = x.view(x.shape[0], -1, GROUP).abs().amax(-1, keepdim=True)
+    step_error = (peaks / 127 / 508).expand(-1, -1, GROUP).reshape(x.shape).double()
+    return step_error @ weight.abs().t() * 1.01 + (x.double().abs() @ weight.abs().t()) * 1e-5 \
+        + 1e-6
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 64, 32), (1, 1000, 576), (3, 7, 96), (15, 130, 1536)])
+def test_products_equal_the_float_product_within_the_activation_levels(
+        native, rows, out_features, in_features):
+    layer = int8_layer(out_features, in_features, seed=rows)
+    x = activation_rows(rows, in_features, seed=out_features)
+    weight = weight_of(layer)
+    exact = x.double() @ weight.t()
+    bound = level_error_bound(x, weight)
+    for portable in (False, True):
+        got = torch.ops.streamgrok_cpu.int8_linear(x, layer.qweight, layer.row_scales,
+                                                   portable)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        assert ((got.double() - exact).abs() <= bound).all(), f"portable={portable}"
+        assert torch.equal(got[0], torch.zeros(out_features))  # zero rows give zeros
+
+
+def test_bad_operands_get_clear_errors(native):
+    layer = int8_layer(64, 64, seed=7)
+    with pytest.raises(RuntimeError, match="x must be a 2-d float32"):
+        torch.ops.streamgrok_cpu.int8_linear(torch.randn(2, 64).double(), layer.qweight,
+                                             layer.row_scales)
+    with pytest.raises(RuntimeError, match="weight must be int8"):
+        torch.ops.streamgrok_cpu.int8_linear(torch.randn(2, 128), layer.qweight,
+                                             layer.row_scales)
+    with pytest.raises(RuntimeError, match="scales must be float32"):
+        torch.ops.streamgrok_cpu.int8_linear(torch.randn(2, 64), layer.qweight,
+                                             layer.row_scales[:5])
+
+
+def test_an_int8_layer_multiplies_a_few_rows_natively(native):
+    skip_unless_int4_vectorized(native.in_use, native.native.error)
+    fast, plain = int8_layer(192, 96, seed=8, matmul=native), int8_layer(192, 96, seed=8)
+    x = activation_rows(4, 96, seed=9)
+    assert fast.native_matmul.serves(x) and not plain.native_matmul.serves(x)
+    exact = x.double() @ weight_of(fast).t()
+    assert ((fast(x).double() - exact).abs() <= level_error_bound(x, weight_of(fast))).all()
+    # PyTorch's weight-only kernel rounds activations to bfloat16: the native products are
+    # closer to the exact ones
+    assert (fast(x).double() - exact).abs().max() < (plain(x).double() - exact).abs().max()
+    many = activation_rows(NATIVE_INT8_MAX_ROWS, 96, seed=10)  # past the few rows: PyTorch's
+    torch.testing.assert_close(fast(many), plain(many))
