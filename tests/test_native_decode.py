@@ -133,6 +133,9 @@ def test_the_op_names_what_it_refuses():
                 num_kv_heads=config.num_kv_heads, eps=1e-5)
     op = torch.ops.streamgrok_cpu.decode_step
     assert op(**args).shape == (1, VOCAB)
+    without_head = op(**{**args, "weights": step.body})  # the normed hidden state
+    assert without_head.shape == (1, config.hidden_size)
+    torch.testing.assert_close(model.output(without_head), op(**args), atol=0.05, rtol=0.01)
     with pytest.raises(RuntimeError, match="outside the stores"):
         op(**{**args, "positions": torch.tensor([8])})
     with pytest.raises(RuntimeError, match="10 weights per layer"):

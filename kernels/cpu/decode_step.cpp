@@ -128,11 +128,12 @@ namespace streamgrok_cpu {
 // scales, down packed, down scales (int4 layouts of int4_linear; gate_up is gate's rows then
 // up's); then the final norm, the head's weight and scales: int4 (packed uint8 and bfloat16
 // scales and zeros, as the layers') or int8 (int8 [vocab, hidden] and float32 scales [vocab],
-// int8_linear's). qkv_biases: none, or one float32
+// int8_linear's), or no head (then the final norm's output [B, hidden] is returned, for the
+// caller's head). qkv_biases: none, or one float32
 // [(H + 2 KVH) D] per layer. keys/values: a store per layer, [B, KVH, capacity, D] float32,
 // bfloat16 or int8 (then key_scales/value_scales, float16 [B, KVH, capacity], else empty),
 // written at `positions` [B] int64; cos/sin [B, D/2] float32, the new positions' rotary.
-// Returns the logits [B, vocab] float32.
+// Returns the logits [B, vocab] float32 (or the normed hidden state: see the head above).
 at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
                        at::TensorList qkv_biases, at::TensorList keys, at::TensorList values,
                        at::TensorList key_scales, at::TensorList value_scales,
@@ -141,9 +142,10 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(embedded.dim() == 2 && embedded.scalar_type() == at::kFloat,
               "decode_step: embedded must be float32 [B, hidden]");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kLayerTensors * layers + 3 &&
-                  static_cast<int64_t>(values.size()) == layers,
-              "decode_step: ", kLayerTensors, " weights per layer and 3 more, and a key and a "
+  const int64_t extra = static_cast<int64_t>(weights.size()) - kLayerTensors * layers;
+  TORCH_CHECK((extra == 3 || extra == 1) && static_cast<int64_t>(values.size()) == layers,
+              "decode_step: ", kLayerTensors, " weights per layer and 3 more (or 1, without "
+              "the head), and a key and a "
               "value store per layer");
   const bool quantized = !key_scales.empty();
   TORCH_CHECK(static_cast<int64_t>(key_scales.size()) == (quantized ? layers : 0) &&
@@ -250,6 +252,7 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
   }
   const at::Tensor* last = weights.data() + kLayerTensors * layers;
   rms_norm(xp, last[0].data_ptr<float>(), batch, hidden, norm_eps, hp);
+  if (extra == 1) return h;  // the caller multiplies by the head
   if (last[1].scalar_type() == at::kChar) return int8_linear(h, last[1], last[2], false);
   return int4_linear(h, last[1], last[2], false);
 }

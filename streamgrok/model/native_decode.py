@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.cpu_attention import KV_DTYPES
-from streamgrok.model.quantized import Int4Linear, Int8Linear
+from streamgrok.model.quantized import NATIVE_INT8_MAX_ROWS, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from streamgrok.model.compiled_decode import DecodeView
@@ -79,10 +79,15 @@ class NativeDecodeStep:
             if attn.wqkv.bias is not None:
                 biases.append(attn.wqkv.bias.float().contiguous())
         head = model.output
-        weights += [model.norm.weight.contiguous(),
-                    *((head.qweight, head.row_scales) if isinstance(head, Int8Linear)
-                      else (head.packed, head.scales_and_zeros))]
+        weights.append(model.norm.weight.contiguous())
+        self.body = list(weights)  # without the head: the op returns the normed hidden state
+        weights += ((head.qweight, head.row_scales) if isinstance(head, Int8Linear)
+                    else (head.packed, head.scales_and_zeros))
         self.weights = weights
+        # a batch this large multiplies by an int8 head's bfloat16 copy, where it keeps one
+        # (the CPU multiplies bfloat16 natively: faster there than the int8 kernel's loop)
+        self.wide_head_from = (NATIVE_INT8_MAX_ROWS if isinstance(head, Int8Linear)
+                               and head.wide is not None else None)
         self.biases = biases
         self.num_heads = model.config.num_heads
         self.num_kv_heads = model.config.num_kv_heads
@@ -93,7 +98,9 @@ class NativeDecodeStep:
         """Logits [batch, vocab] float32 of one decode step of the batch in `view` (whose
         stores it writes at the new positions, as the compiled step does)."""
         embedded = model.embed(input_ids).float()
-        return torch.ops.streamgrok_cpu.decode_step(
-            embedded, self.weights, self.biases, view.keys, view.values,
-            view.key_scales or [], view.value_scales or [], view.positions,
+        wide_head = self.wide_head_from is not None and len(input_ids) >= self.wide_head_from
+        out = torch.ops.streamgrok_cpu.decode_step(
+            embedded, self.body if wide_head else self.weights, self.biases, view.keys,
+            view.values, view.key_scales or [], view.value_scales or [], view.positions,
             view.cos.float(), view.sin.float(), self.num_heads, self.num_kv_heads, self.eps)
+        return model.output(out).float() if wide_head else out
