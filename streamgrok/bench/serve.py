@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 from streamgrok.bench.timing import percentile
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine, EngineConfig
@@ -156,6 +157,7 @@ def run_serve_bench(loaded: LoadedModel, counts: list[int], max_tokens: int = 24
     default) gets its own engine, baseline and table, in this one run, after an untimed
     warm-up engine (repeat a value, e.g. 2,1,2,1, to see the run-to-run spread)."""
     threads = torch.get_num_threads()
+    print(f"cpu: {simd_flags()} ({CPU_ISA_ENV}={isa_cap()})")
     print(f"model {loaded.name}  dtype {str(loaded.model.dtype).removeprefix('torch.')}  "
           f"threads {threads}  answer tokens {max_tokens}  nano-batches {nano_batches}")
     cache = CacheConfig(budget_tokens=1024, memory_gib=2.0)
