@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import skip_unless_int4_vectorized
+from helpers import random_model, skip_unless_int4_vectorized, tiny_config
 
 from kernels.cpu_int4 import GROUP, Int4Matmul
-from streamgrok.model.quantized import NATIVE_INT8_MAX_ROWS, Int8Linear, QuantizedRows
+from kernels.cpu_native import NATIVE_ATTENTION_ENV
+from streamgrok.model.quantized import (
+    NATIVE_INT8_MAX_ROWS,
+    Int8Linear,
+    QuantizedRows,
+    quantize_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +98,16 @@ def test_an_int8_layer_multiplies_a_few_rows_natively(native):
     assert (fast(x).double() - exact).abs().max() < (plain(x).double() - exact).abs().max()
     many = activation_rows(NATIVE_INT8_MAX_ROWS, 96, seed=10)  # past the few rows: PyTorch's
     torch.testing.assert_close(fast(many), plain(many))
+
+
+@pytest.mark.parametrize("weights", ["q8", "q4"])
+def test_only_the_output_head_takes_the_native_int8_kernel(monkeypatch, weights):
+    """The native int8 kernel beats PyTorch's on the head's many rows, not on a projection's
+    few: q8 projections keep PyTorch's kernel; q4 and q8 heads are int8 and take it."""
+    monkeypatch.setenv(NATIVE_ATTENTION_ENV, "1")
+    model = quantize_model(random_model(tiny_config(vocab_size=320)), weights)
+    assert isinstance(model.output, Int8Linear) and model.output.native_matmul.native.enabled
+    projections = [m for m in model.modules()
+                   if isinstance(m, Int8Linear) and m is not model.output]
+    assert (weights == "q8") == bool(projections)
+    assert not any(m.native_matmul.native.enabled for m in projections)

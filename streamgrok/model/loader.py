@@ -175,7 +175,8 @@ class _PackedAsRead:
         if path is None:  # the output head keeps bfloat16 activations (see smoothing)
             self.layers[module] = rows.linear(
                 int8_activations=self.int8_activations and module != "output",
-                int8_rows=self.int8_rows, int4_matmul=self.int4_matmul)
+                int8_rows=self.int8_rows, int4_matmul=self.int4_matmul,
+                head=module == "output")
             return
         self.waiting[module] = rows
         if all(part in self.waiting for part in self.parts[path]):
