@@ -34,6 +34,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="module")
+def native_int4():
+    """The native int4 matmul switch, built (its int8 head kernel is in the same build)."""
+    from kernels.cpu_int4 import Int4Matmul
+
+    matmul = Int4Matmul(enabled=True)
+    matmul.wait_ready()
+    assert matmul.native.error is None, f"the native kernels did not build: {matmul.native.error}"
+    return matmul
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct GGUF, float32, loaded once per test run."""

@@ -20,14 +20,6 @@ from streamgrok.model.quantized import (
 )
 
 
-@pytest.fixture(scope="module")
-def native() -> Int4Matmul:
-    matmul = Int4Matmul(enabled=True)
-    matmul.wait_ready()
-    assert matmul.native.error is None, f"the native kernels did not build: {matmul.native.error}"
-    return matmul
-
-
 def int4_layer(out_features: int, in_features: int, seed: int,
                matmul: Int4Matmul | None = None) -> Int4Linear:
     gen = torch.Generator().manual_seed(seed)
@@ -62,7 +54,7 @@ def level_error_bound(x: torch.Tensor, layer: Int4Linear) -> torch.Tensor:
                          [(1, 64, 32), (1, 192, 576), (2, 128, 96), (3, 64, 1536),
                           (17, 320, 64)])
 def test_products_equal_the_float_product_within_the_activation_levels(
-        native, rows, out_features, in_features):
+        native_int4, rows, out_features, in_features):
     layer = int4_layer(out_features, in_features, seed=rows)
     x = activation_rows(rows, in_features, seed=out_features)
     exact = x.double() @ unpacked_transposed(layer.packed, layer.scales_and_zeros).double()
@@ -75,7 +67,7 @@ def test_products_equal_the_float_product_within_the_activation_levels(
         assert torch.equal(got[0], torch.zeros(out_features))  # zero rows give zeros
 
 
-def test_the_portable_loop_gives_the_vectorized_products(native):
+def test_the_portable_loop_gives_the_vectorized_products(native_int4):
     layer = int4_layer(256, 192, seed=4)
     x = activation_rows(5, 192, seed=5)
     vectorized = torch.ops.streamgrok_cpu.int4_linear(x, layer.packed, layer.scales_and_zeros)
@@ -84,7 +76,7 @@ def test_the_portable_loop_gives_the_vectorized_products(native):
     torch.testing.assert_close(vectorized, portable, atol=1e-5, rtol=1e-5)
 
 
-def test_non_contiguous_rows_are_read_as_their_values(native):
+def test_non_contiguous_rows_are_read_as_their_values(native_int4):
     layer = int4_layer(64, 64, seed=6)
     x = torch.randn(64, 3).t()  # [3, 64], strided
     torch.testing.assert_close(
@@ -93,7 +85,7 @@ def test_non_contiguous_rows_are_read_as_their_values(native):
                                              layer.scales_and_zeros))
 
 
-def test_bad_operands_get_clear_errors(native):
+def test_bad_operands_get_clear_errors(native_int4):
     layer = int4_layer(64, 64, seed=7)
     with pytest.raises(RuntimeError, match="x must be a 2-d float32"):
         torch.ops.streamgrok_cpu.int4_linear(torch.randn(2, 64).double(), layer.packed,
@@ -106,10 +98,10 @@ def test_bad_operands_get_clear_errors(native):
                                              layer.scales_and_zeros)
 
 
-def test_an_int4_layer_multiplies_natively_once_built(native):
-    fast, reference = int4_layer(192, 96, seed=8, matmul=native), int4_layer(192, 96, seed=8)
+def test_an_int4_layer_multiplies_natively_once_built(native_int4):
+    fast, reference = int4_layer(192, 96, seed=8, matmul=native_int4), int4_layer(192, 96, seed=8)
     x = activation_rows(4, 96, seed=9)
-    skip_unless_int4_vectorized(native.in_use, native.native.error)
+    skip_unless_int4_vectorized(native_int4.in_use, native_int4.native.error)
     assert not reference.int4_matmul.serves(x)  # off unless a model's loader turns it on
     got, want = fast(x), reference(x)
     exact = int4_linear_reference(x, fast.packed, fast.scales_and_zeros)
@@ -128,13 +120,13 @@ def test_a_q4_model_shares_one_native_switch(monkeypatch):
     assert not wait_native_int4(quantize_model(random_model(tiny_config()), "q4"))
 
 
-def test_native_layers_dequantize_from_a_shorter_chunk(native):
+def test_native_layers_dequantize_from_a_shorter_chunk(native_int4):
     """With the native kernels a chunk shorter than NATIVE_INT4_DEQUANTIZED_MIN_ROWS
     multiplies by the int4 kernel, and one that long by the weight the native unpacking
     builds (bfloat16 where the CPU has it), which equals PyTorch's unpacking."""
-    skip_unless_int4_vectorized(native.in_use, native.native.error)
+    skip_unless_int4_vectorized(native_int4.in_use, native_int4.native.error)
     assert NATIVE_INT4_DEQUANTIZED_MIN_ROWS < DEQUANTIZED_MIN_ROWS
-    layer = int4_layer(128, 64, seed=10, matmul=native)
+    layer = int4_layer(128, 64, seed=10, matmul=native_int4)
     x = activation_rows(NATIVE_INT4_DEQUANTIZED_MIN_ROWS - 1, 64, seed=11)
     exact = int4_linear_reference(x, layer.packed, layer.scales_and_zeros).double()
     assert ((layer(x).double() - exact).abs() <= level_error_bound(x, layer)).all()
@@ -146,12 +138,12 @@ def test_native_layers_dequantize_from_a_shorter_chunk(native):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (192, 576), (576, 1536)])
-def test_native_unpacking_equals_pytorchs(native, dtype, out_features, in_features):
+def test_native_unpacking_equals_pytorchs(native_int4, dtype, out_features, in_features):
     """The native unpacking of the layout to W^T gives PyTorch's float32 unpacking, rounded
     once to `dtype` (within one float32 rounding of it, which may move a bfloat16 tie)."""
     layer = int4_layer(out_features, in_features, seed=13)
     reference = unpacked_transposed(layer.packed, layer.scales_and_zeros)
-    unpacked = native.unpacked_transposed(layer.packed, layer.scales_and_zeros, dtype)
+    unpacked = native_int4.unpacked_transposed(layer.packed, layer.scales_and_zeros, dtype)
     assert unpacked.dtype == dtype and unpacked.shape == (in_features, out_features)
     pairs = layer.scales_and_zeros.double()  # [in / 32, out, (scale, zero)]
     terms = (16 * pairs[..., 0].abs() + pairs[..., 1].abs()).repeat_interleave(GROUP, dim=0)

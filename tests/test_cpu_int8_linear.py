@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import random_model, skip_unless_int4_vectorized, tiny_config
+from test_cpu_int4 import activation_rows
 
 from kernels.cpu_int4 import GROUP, Int4Matmul
 from kernels.cpu_native import NATIVE_ATTENTION_ENV
@@ -18,28 +19,11 @@ from streamgrok.model.quantized import (
 )
 
 
-@pytest.fixture(scope="module")
-def native() -> Int4Matmul:
-    matmul = Int4Matmul(enabled=True)
-    matmul.wait_ready()
-    assert matmul.native.error is None, f"the native kernels did not build: {matmul.native.error}"
-    return matmul
-
-
 def int8_layer(out_features: int, in_features: int, seed: int,
                matmul: Int4Matmul | None = None) -> Int8Linear:
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05
     return Int8Linear.from_rows(QuantizedRows.of(weight, "q8"), None, native_matmul=matmul)
-
-
-def activation_rows(rows: int, width: int, seed: int) -> torch.Tensor:
-    """Rows of very different ranges, a row of zeros and a group of zeros."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, width, generator=gen) * torch.logspace(-3, 2, rows)[:, None]
-    x[0] = 0.0
-    x[-1, GROUP:2 * GROUP] = 0.0
-    return x
 
 
 def weight_of(layer: Int8Linear) -> torch.Tensor:
@@ -59,7 +43,7 @@ def level_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(1, 64, 32), (1, 1000, 576), (3, 7, 96), (15, 130, 1536)])
 def test_products_equal_the_float_product_within_the_activation_levels(
-        native, rows, out_features, in_features):
+        native_int4, rows, out_features, in_features):
     layer = int8_layer(out_features, in_features, seed=rows)
     x = activation_rows(rows, in_features, seed=out_features)
     weight = weight_of(layer)
@@ -73,7 +57,7 @@ def test_products_equal_the_float_product_within_the_activation_levels(
         assert torch.equal(got[0], torch.zeros(out_features))  # zero rows give zeros
 
 
-def test_bad_operands_get_clear_errors(native):
+def test_bad_operands_get_clear_errors(native_int4):
     layer = int8_layer(64, 64, seed=7)
     with pytest.raises(RuntimeError, match="x must be a 2-d float32"):
         torch.ops.streamgrok_cpu.int8_linear(torch.randn(2, 64).double(), layer.qweight,
@@ -86,9 +70,9 @@ def test_bad_operands_get_clear_errors(native):
                                              layer.row_scales[:5])
 
 
-def test_an_int8_layer_multiplies_a_few_rows_natively(native):
-    skip_unless_int4_vectorized(native.in_use, native.native.error)
-    fast, plain = int8_layer(192, 96, seed=8, matmul=native), int8_layer(192, 96, seed=8)
+def test_an_int8_layer_multiplies_a_few_rows_natively(native_int4):
+    skip_unless_int4_vectorized(native_int4.in_use, native_int4.native.error)
+    fast, plain = int8_layer(192, 96, seed=8, matmul=native_int4), int8_layer(192, 96, seed=8)
     x = activation_rows(4, 96, seed=9)
     assert fast.native_matmul.serves(x) and not plain.native_matmul.serves(x)
     exact = x.double() @ weight_of(fast).t()
