@@ -195,10 +195,13 @@ async def test_sessions_in_nano_batches_recall_in_their_streams_independently(ti
             assert await answer.text()
         assert engine.snapshot()["host_tier"]["stream_recalls"] > 1
         kv = engine.cache
-        for state in engine.scheduler.sessions.values():
-            for layer in range(tiny_loaded.config.num_layers):
-                held = stream_indices(kv, state.seq_id, layer)
-                assert held == list(range(len(held)))
+        # read between steps: the engine goes on streaming the remembered turns, and a step
+        # that recalls holds a page in both tiers until it commits
+        async with engine.paused():
+            for state in engine.scheduler.sessions.values():
+                for layer in range(tiny_loaded.config.num_layers):
+                    held = stream_indices(kv, state.seq_id, layer)
+                    assert held == list(range(len(held)))
         for session in sessions:
             await session.close()
         assert kv.tier.used_pages == 0 and kv.pool.used_pages == 0
