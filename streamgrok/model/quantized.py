@@ -123,8 +123,7 @@ def _quantize_block(w: torch.Tensor, kind: str, values: torch.Tensor, scales: to
 def quantized_rows(weight: torch.Tensor, weights: str, head: bool = False) -> QuantizedRows:
     """`weight` as `weights` rows (q4 falls back to int8 where the int4 kernel cannot go;
     w8a8 weights are q8 rows). The output `head` of q4 is int8, as a Q4 GGUF's is: in int4
-    it cost SmolLM2 most of q4's agreement with float32 (teacher-forced top-1 0.879 with an
-    int4 head, 0.965 with an int8 one)."""
+    it cost most of q4's agreement with float32 (measured in docs/cpu-performance.md)."""
     four = weights == "q4" and not head and fits_q4(*weight.shape)
     return QuantizedRows.of(weight, "q4" if four else "q8")
 
