@@ -60,7 +60,7 @@ class ServerThread:
         limits = LoadLimits(cpu_high=100.0, cpu_low=99.0, ttft_target_s=60.0)
         config = ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
                               stats_interval_s=3600, load_tick_s=0.1, load_limits=limits,
-                              max_sessions=16)
+                              max_sessions=16, max_media_per_second=1000)  # every reply counts
         self.server = StreamgrokServer(loaded, config, CacheConfig(budget_tokens=512,
                                                                    memory_gib=0.05))
         self.loop = asyncio.new_event_loop()
