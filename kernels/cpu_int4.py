@@ -57,7 +57,8 @@ def int4_kernel() -> str:
 
 
 class Int4Matmul:
-    """Multiplies by int4 layers natively where the kernel is built vectorized (AVX-512 VNNI
+    """Multiplies by int4 layers (and by a weight-only int8 output head: the native int8
+    kernel, in the same build) natively where the kernel is built vectorized (AVX-512 VNNI
     or AVX2; see
     `kernels.cpu_native.NativeBuild`: until then, and where it cannot be, PyTorch's kernel
     serves; no call waits for the compiler). One per model, shared by its int4 layers."""

@@ -283,7 +283,10 @@ class Int4Linear(nn.Module):
         dequantized_from = NATIVE_INT4_DEQUANTIZED_MIN_ROWS if native else DEQUANTIZED_MIN_ROWS
         # a compiled decode step keeps the native kernel at every batch it serves (a branch
         # on the rows would guard its dynamic batch size, and larger batches would run eager)
-        if self.unpacks and flat.shape[0] >= dequantized_from and not (
+        # the native kernels' layout, which PyTorch's kernel does not read, and the native
+        # kernel not (yet) in use: every chunk multiplies by the dequantized weight
+        no_kernel = self.unpacks and not native and not self.torch_kernel
+        if self.unpacks and (flat.shape[0] >= dequantized_from or no_kernel) and not (
                 native and torch.compiler.is_compiling()):
             dtype = prefill_dtype()
             out = torch.matmul(flat.to(dtype), self._transposed(dtype)).to(x.dtype)
@@ -292,9 +295,6 @@ class Int4Linear(nn.Module):
             out = out.to(x.dtype)
         elif self.torch_kernel:
             out = self._kernel(flat).to(x.dtype)
-        elif self.unpacks:  # a layout PyTorch's kernel does not read, the native one not built
-            dtype = prefill_dtype()
-            out = torch.matmul(flat.to(dtype), self._transposed(dtype)).to(x.dtype)
         else:
             out = F.linear(flat, self.dequantized(x.dtype))
         if self.bias is not None:
