@@ -66,14 +66,17 @@ def random_model(config: ModelConfig, seed: int = 0) -> Transformer:
 
 @contextmanager
 def eager_decode(model: Transformer) -> Iterator[None]:
-    """`model` with its compiled (or native) decode steps swapped for eager ones."""
+    """`model` with its compiled (or native) decode steps swapped for eager ones, on the
+    contiguous cache and the paged one."""
     from streamgrok.model.compiled_decode import CompiledDecode
+    from streamgrok.model.native_decode import PagedNativeDecode
 
-    kept, model.compiled_decode = model.compiled_decode, CompiledDecode(False)
+    kept = model.compiled_decode, model.paged_native
+    model.compiled_decode, model.paged_native = CompiledDecode(False), PagedNativeDecode(False)
     try:
         yield
     finally:
-        model.compiled_decode = kept
+        model.compiled_decode, model.paged_native = kept
 
 
 def eagerly_prefilled(model: Transformer, slots: int, capacity: int,

@@ -15,63 +15,15 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "native_ops.h"
+#include "step_parts.h"
 
 namespace {
 
-constexpr int64_t kLayerTensors = 10;  // the weights of a layer, in `decode_step`'s order
-constexpr float kInt8Max = 127.f;      // kernels/quant.py: INT8_MAX
-constexpr float kMinAbsMax = 1e-4f;    // kernels/quant.py: MIN_ABS_MAX
-// Rows a thread takes at least in the loops between the matmuls: several sequences' norms,
-// rotary, K/V stores and SwiGLU run in parallel, one sequence's on the calling thread.
-constexpr int64_t kRowGrain = 8;
-
-// out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight (kernels/rmsnorm.py's reference).
-void rms_norm(const float* x, const float* weight, int64_t rows, int64_t width, float eps,
-              float* out) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = x + r * width;
-      float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-      for (int64_t i = 0; i < width; ++i) squares += row[i] * row[i];
-      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
-      float* o = out + r * width;
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) o[i] = row[i] * inverse * weight[i];
-    }
-  });
-}
-
-// Half-split rotary of one head (x[:d/2] pairs with x[d/2:]) by cos/sin [d/2].
-void rotate(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
-  const int64_t half = dim / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    out[i] = x[i] * cos[i] - x[i + half] * sin[i];
-    out[i + half] = x[i + half] * cos[i] + x[i] * sin[i];
-  }
-}
-
-// kernels/quant.py's quantize_int8 of one head's row, bit for bit: levels and the scale,
-// which is float16 (the store's) and quantized against as stored.
-STREAMGROK_EXACT at::Half quantize_head(const float* x, int64_t dim, int8_t* levels) {
-  float peak = 0.f;
-  for (int64_t i = 0; i < dim; ++i) peak = std::max(peak, __builtin_fabsf(x[i]));
-  const at::Half stored(std::max(peak, kMinAbsMax) / kInt8Max);
-  const float scale = static_cast<float>(stored);
-  for (int64_t i = 0; i < dim; ++i) {
-    const float scaled = x[i] / scale;
-    const float level = std::min(__builtin_floorf(__builtin_fabsf(scaled) + 0.5f), kInt8Max);
-    levels[i] = static_cast<int8_t>(scaled < 0.f ? -level : level);
-  }
-  return stored;
-}
+using namespace streamgrok_cpu::step;
 
 // One layer's K/V store (or its scales) as the step writes it.
 struct Store {
@@ -82,21 +34,8 @@ struct Store {
 // Writes one head's row `x` at (b, kvh, position) of `store`.
 void store_row(const Store& store, int64_t b, int64_t kvh, int64_t position, const float* x) {
   const int64_t kv_heads = store.rows.size(1), capacity = store.rows.size(2);
-  const int64_t dim = store.rows.size(3);
-  const int64_t row = (b * kv_heads + kvh) * capacity + position;
-  switch (store.rows.scalar_type()) {
-    case at::kFloat:
-      std::memcpy(store.rows.data_ptr<float>() + row * dim, x, sizeof(float) * dim);
-      break;
-    case at::kBFloat16: {
-      at::BFloat16* out = store.rows.data_ptr<at::BFloat16>() + row * dim;
-      for (int64_t i = 0; i < dim; ++i) out[i] = at::BFloat16(x[i]);
-      break;
-    }
-    default:
-      store.scales.data_ptr<at::Half>()[row] =
-          quantize_head(x, dim, store.rows.data_ptr<int8_t>() + row * dim);
-  }
+  store_head(store.rows, store.scales, (b * kv_heads + kvh) * capacity + position, x,
+             store.rows.size(3));
 }
 
 void check_store(const at::Tensor& rows, const at::Tensor* scales, int64_t batch,
@@ -109,14 +48,6 @@ void check_store(const at::Tensor& rows, const at::Tensor* scales, int64_t batch
     TORCH_CHECK(scales->scalar_type() == at::kHalf && scales->is_contiguous() &&
                     scales->sizes() == rows.sizes().slice(0, 3),
                 "decode_step: int8 stores need contiguous float16 scales [B, KVH, capacity]");
-}
-
-// x += y, rows [rows, width].
-void add_into(float* x, const float* y, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-#pragma omp simd
-    for (int64_t i = begin * width; i < end * width; ++i) x[i] += y[i];
-  });
 }
 
 }  // namespace
@@ -142,11 +73,8 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(embedded.dim() == 2 && embedded.scalar_type() == at::kFloat,
               "decode_step: embedded must be float32 [B, hidden]");
-  const int64_t extra = static_cast<int64_t>(weights.size()) - kLayerTensors * layers;
-  TORCH_CHECK((extra == 3 || extra == 1) && static_cast<int64_t>(values.size()) == layers,
-              "decode_step: ", kLayerTensors, " weights per layer and 3 more (or 1, without "
-              "the head), and a key and a "
-              "value store per layer");
+  TORCH_CHECK(static_cast<int64_t>(values.size()) == layers,
+              "decode_step: a key and a value store per layer");
   const bool quantized = !key_scales.empty();
   TORCH_CHECK(static_cast<int64_t>(key_scales.size()) == (quantized ? layers : 0) &&
                   value_scales.size() == key_scales.size(),
@@ -154,6 +82,7 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
   TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers,
               "decode_step: no q/k/v biases or one per layer");
   const int64_t batch = embedded.size(0), hidden = embedded.size(1);
+  check_weights("decode_step", weights, layers, hidden);
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == batch && cos.sizes() == sin.sizes() &&
                   cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "decode_step: cos and sin must be float32 [B, D/2]");
@@ -167,19 +96,11 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
               "decode_step: K/V stores must be float32, bfloat16 or int8, got ", kind);
   TORCH_CHECK(quantized == (kind == at::kChar),
               "decode_step: int8 stores and only they come with scales");
-  const auto check_norm = [hidden](const at::Tensor& norm) {
-    TORCH_CHECK(norm.scalar_type() == at::kFloat && norm.is_contiguous() &&
-                    norm.numel() == hidden,
-                "decode_step: norm weights must be float32 [hidden]");
-  };
   for (int64_t l = 0; l < layers; ++l) {
     check_store(keys[l], quantized ? &key_scales[l] : nullptr, batch, num_kv_heads, dim, kind);
     check_store(values[l], quantized ? &value_scales[l] : nullptr, batch, num_kv_heads, dim,
                 kind);
-    check_norm(weights[kLayerTensors * l]);
-    check_norm(weights[kLayerTensors * l + 5]);
   }
-  check_norm(weights[kLayerTensors * layers]);
   const at::Tensor where = positions.contiguous();
   const int64_t* pos = where.data_ptr<int64_t>();
   const int64_t capacity = layers > 0 ? keys[0].size(2) : 1;
@@ -191,22 +112,13 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
   const float* cp = rotary_cos.data_ptr<float>();
   const float* sp = rotary_sin.data_ptr<float>();
   const int64_t half = dim / 2, q_width = num_heads * dim, kv_width = num_kv_heads * dim;
-  const int64_t qkv_width = q_width + 2 * kv_width;
   const float norm_eps = static_cast<float>(eps);
   const double attention_scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  at::Tensor q = at::empty({batch, num_heads, dim}, embedded.options());
 
-  at::Tensor x = embedded.contiguous().clone();  // the residual stream
-  at::Tensor h = at::empty_like(x);
-  at::Tensor q = at::empty({batch, num_heads, dim}, x.options());
-  float* xp = x.data_ptr<float>();
-  float* hp = h.data_ptr<float>();
-  for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor* w = weights.data() + kLayerTensors * l;
-    rms_norm(xp, w[0].data_ptr<float>(), batch, hidden, norm_eps, hp);
-    at::Tensor qkv = int4_linear(h, w[1], w[2], false);
-    TORCH_CHECK(qkv.size(1) == qkv_width, "decode_step: the q/k/v matmul has ", qkv.size(1),
-                " outputs, not ", qkv_width);
-    if (!qkv_biases.empty()) qkv.add_(qkv_biases[l]);
+  // rotary at each row's new position, the new K/V stored in the contiguous stores, then
+  // attention over them
+  const auto attend = [&](int64_t l, const at::Tensor& qkv) {
     const Store key_store{keys[l], quantized ? key_scales[l] : at::Tensor()};
     const Store value_store{values[l], quantized ? value_scales[l] : at::Tensor()};
     const float* all = qkv.data_ptr<float>();
@@ -214,7 +126,7 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
     at::parallel_for(0, batch, kRowGrain, [&](int64_t begin, int64_t end) {
       std::vector<float> rotated(dim);
       for (int64_t b = begin; b < end; ++b) {
-        const float* row = all + b * qkv_width;
+        const float* row = all + b * qkv.size(1);
         const float* c = cp + b * half;
         const float* s = sp + b * half;
         for (int64_t head = 0; head < num_heads; ++head)
@@ -226,35 +138,15 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
         }
       }
     });
-    at::Tensor attended =
-        decode_attention(q, keys[l], values[l], lengths, attention_scale,
-                         quantized ? c10::optional<at::Tensor>(key_scales[l]) : c10::nullopt,
-                         quantized ? c10::optional<at::Tensor>(value_scales[l]) : c10::nullopt);
-    at::Tensor out = int4_linear(attended.view({batch, q_width}), w[3], w[4], false);
-    add_into(xp, out.data_ptr<float>(), batch, hidden);
-    rms_norm(xp, w[5].data_ptr<float>(), batch, hidden, norm_eps, hp);
-    at::Tensor gate_up = int4_linear(h, w[6], w[7], false);
-    const int64_t inner = gate_up.size(1) / 2;
-    at::Tensor act = at::empty({batch, inner}, x.options());
-    const float* gu = gate_up.data_ptr<float>();
-    float* ap = act.data_ptr<float>();
-    at::parallel_for(0, batch, kRowGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        const float* gate = gu + b * 2 * inner;
-        const float* up = gate + inner;
-        float* a = ap + b * inner;
-#pragma omp simd
-        for (int64_t i = 0; i < inner; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-      }
-    });
-    at::Tensor down = int4_linear(act, w[8], w[9], false);
-    add_into(xp, down.data_ptr<float>(), batch, hidden);
-  }
-  const at::Tensor* last = weights.data() + kLayerTensors * layers;
-  rms_norm(xp, last[0].data_ptr<float>(), batch, hidden, norm_eps, hp);
-  if (extra == 1) return h;  // the caller multiplies by the head
-  if (last[1].scalar_type() == at::kChar) return int8_linear(h, last[1], last[2], false);
-  return int4_linear(h, last[1], last[2], false);
+    return decode_attention(
+               q, keys[l], values[l], lengths, attention_scale,
+               quantized ? c10::optional<at::Tensor>(key_scales[l]) : c10::nullopt,
+               quantized ? c10::optional<at::Tensor>(value_scales[l]) : c10::nullopt)
+        .view({batch, q_width});
+  };
+  const at::Tensor x = run_layers(embedded, weights, qkv_biases, layers,
+                                  q_width + 2 * kv_width, norm_eps, attend);
+  return finish(x, weights, layers, norm_eps);
 }
 
 }  // namespace streamgrok_cpu

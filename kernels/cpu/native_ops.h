@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
+
 // Builds a function without fast math, for arithmetic that must equal PyTorch's reference
 // bit for bit: a division stays a division (not a multiply by the inverse), rounding tricks
 // are not folded away and nothing is contracted into an FMA. (Within such functions only
@@ -31,5 +33,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& keys,
                             const at::Tensor& values, const at::Tensor& lengths, double scale,
                             const c10::optional<at::Tensor>& key_scales,
                             const c10::optional<at::Tensor>& value_scales);
+
+// Queries of several sequences over K/V read through page tables (paged_attention.cpp; the
+// contract is kernels/cpu_attention.py's cpu_paged_attention): out [T, H, D] float32 and,
+// with mass_rows > 0, the attention mass [B, P * page_size] (else an empty tensor).
+std::tuple<at::Tensor, at::Tensor> paged_attention(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+    const at::Tensor& block_tables, const at::Tensor& cu_q, const at::Tensor& past,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t page_size, int64_t mass_rows,
+    double scale);
 
 }  // namespace streamgrok_cpu

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "attention_math.h"
+#include "native_ops.h"
 
 namespace {
 
@@ -339,6 +340,8 @@ void check_tables(const at::Tensor& tables, const int64_t* past, const int64_t* 
 
 }  // namespace
 
+namespace streamgrok_cpu {
+
 // q [T, H, D] float32 (rotated); k, v [slots, KVH, D] float32, bfloat16 or int8 (int8 with
 // float16 k_scale, v_scale [slots, KVH]); block_tables [B, P] int32; cu_q [B + 1] and past [B]
 // int64; cos, sin float32 [>= max(past + count), D / 2]. Sequence b's queries are rows
@@ -427,10 +430,12 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
   return {out, mass};
 }
 
+}  // namespace streamgrok_cpu
+
 TORCH_LIBRARY_FRAGMENT(streamgrok_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor cu_q, Tensor past, Tensor cos, Tensor sin, int page_size, "
         "int mass_rows, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) { m.impl("paged_attention", &streamgrok_cpu::paged_attention); }

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.paged_kv import PagedKV
 from streamgrok.cache.tokens import LayerTokens
+from streamgrok.model.batch import PagedDecodeView
 
 
 @dataclass
@@ -132,3 +134,15 @@ def refresh_layer(plan: AttentionPlan, layer: int, records: dict[int, list[Layer
         group.past[layer] = torch.tensor(past, dtype=torch.int32).to(device)
         group.positions[layer] = torch.cat([
             torch.arange(p, p + n) for p, n in zip(past, group.counts)]).to(device)
+
+
+def decode_view(plan: AttentionPlan, kv: PagedKV, rotary_tables, page_size: int,
+                wants_mass: bool) -> PagedDecodeView | None:
+    """The view of `plan` when it is one group of decode rows in batch order, else None;
+    `rotary_tables(length)` gives cos/sin covering `length` positions."""
+    if len(plan.groups) != 1 or not plan.groups[0].decode:
+        return None
+    group = plan.groups[0]
+    cos, sin = rotary_tables(group.tables.shape[2] * page_size)
+    return PagedDecodeView(kv, plan.new_slots, group.tables, group.lengths, cos, sin, page_size,
+                           wants_mass)

@@ -11,7 +11,13 @@ from pathlib import Path
 import torch
 
 from kernels.ops import KernelOps
-from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, build_attention_plan
+from streamgrok.cache.attention_plan import (
+    AttentionPlan,
+    PagedDecodeView,
+    SpanGroup,
+    build_attention_plan,
+    decode_view,
+)
 from streamgrok.cache.config import CPU_DEFAULT_GIB, KV_DTYPES, CacheConfig
 from streamgrok.cache.host_tier import HostTier
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
@@ -413,6 +419,27 @@ class PagedKVCache:
             for i, (seq_id, total) in enumerate(zip(group.seq_ids, group.totals[layer])):
                 self.observe_mass(self.sequences[seq_id].layers[layer], mass[i, :total],
                                   observed[i])
+
+    def paged_decode_view(self, batch: BatchMetadata) -> PagedDecodeView | None:
+        """The prepared decode batch as one native step takes it (every layer in one call),
+        or None where its layers must run one by one: a prefill chunk in the batch, a device
+        other than the CPU, or recall capturing queries or rehearsing (they act between
+        layers)."""
+        plan: AttentionPlan = batch.backend_state
+        if (self.device.type != "cpu" or self.recaller.active or self.recaller.rehearsal_due
+                or plan is None):
+            return None
+        return decode_view(plan, self.pool.paged_kv(), self.rotary.tables,
+                           self.config.page_size, self.scorer.accumulates_attention)
+
+    def observe_step_mass(self, batch: BatchMetadata, mass: torch.Tensor) -> None:
+        """The attention mass [L, B, keys] a native decode step of `batch` (one query per
+        row) gave each layer's tokens, as `attend` observes it layer by layer."""
+        group = batch.backend_state.groups[0]
+        for layer, totals in enumerate(group.totals):
+            for row, (seq_id, total) in enumerate(zip(group.seq_ids, totals)):
+                self.observe_mass(self.sequences[seq_id].layers[layer], mass[layer, row, :total],
+                                  1)
 
     @property
     def reserved(self) -> bool:

@@ -12,6 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kernels.paged_kv import PagedKV
+
 from streamgrok.stream_tokens import TokenInfo
 
 
@@ -85,3 +87,20 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:
         """Attention output [tokens, heads, head_dim] for the packed batch."""
         ...
+
+
+@dataclass
+class PagedDecodeView:
+    """A prepared decode step as one native call over the page pool takes it
+    (`streamgrok.model.native_decode.NativeDecodeStep.paged`): the pool, where each row's new
+    K/V go, each layer's page tables and lengths (the new token included), the rotary tables
+    covering them, and whether the cache wants the step's attention mass."""
+
+    kv: PagedKV
+    new_slots: torch.Tensor  # [L, B] int64
+    tables: torch.Tensor  # [L, B, P] int32
+    lengths: torch.Tensor  # [L, B] int32
+    cos: torch.Tensor  # [>= P * page_size, head_dim / 2] float32
+    sin: torch.Tensor
+    page_size: int
+    wants_mass: bool

@@ -16,6 +16,7 @@ from kernels.ops import KernelOps
 from streamgrok.model.batch import AttentionBackend, BatchMetadata
 from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.config import ModelConfig
+from streamgrok.model.native_decode import PagedNativeDecode
 from streamgrok.model.quantized import swiglu_w8a8
 
 
@@ -140,6 +141,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.kernels = KernelOps()  # Triton on CUDA, PyTorch elsewhere; tests may force one
         self.compiled_decode = CompiledDecode()  # CPU decode steps as one graph, once compiled
+        self.paged_native = PagedNativeDecode()  # paged-cache decode steps as one native call
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -165,6 +167,8 @@ class Transformer(nn.Module):
         backend.prepare(batch)
         if compiled and (logits := self.compiled_decode.run(self, input_ids, batch,
                                                             backend)) is not None:
+            return logits
+        if (logits := self.paged_native.run(self, input_ids, batch, backend)) is not None:
             return logits
         x = self.embed_tokens(input_ids, batch)
         for layer in self.layers:

@@ -17,16 +17,23 @@ against llama.cpp's 692), and without a compiled step's guard check and Python w
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.cpu_attention import KV_DTYPES
+from kernels.cpu_native import native_kernels_by_default
+from streamgrok.model.batch import BatchMetadata, PagedDecodeView
 from streamgrok.model.quantized import NATIVE_INT8_MAX_ROWS, Int4Linear, Int8Linear
 
 if TYPE_CHECKING:
     from streamgrok.model.compiled_decode import DecodeView
     from streamgrok.model.llama import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def _native_int4(layer: object, bias_allowed: bool = False) -> bool:
@@ -93,6 +100,22 @@ class NativeDecodeStep:
         self.num_kv_heads = model.config.num_kv_heads
         self.eps = model.norm.eps
 
+    def paged(self, model: Transformer, input_ids: torch.Tensor, view: PagedDecodeView
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [batch, vocab] float32 of one decode step over the paged cache in `view`
+        (whose pool it writes at the reserved slots), and the attention mass [L, B, keys]
+        where the view wants it."""
+        embedded = model.embed(input_ids).float()
+        wide_head = self.wide_head_from is not None and len(input_ids) >= self.wide_head_from
+        kv = view.kv
+        out, mass = torch.ops.streamgrok_cpu.paged_decode_step(
+            embedded, self.body if wide_head else self.weights, self.biases, kv.k, kv.v,
+            kv.k_scale, kv.v_scale, view.new_slots, view.tables, view.lengths, view.cos,
+            view.sin, view.page_size, self.num_heads, self.num_kv_heads, self.eps,
+            view.wants_mass)
+        logits = model.output(out).float() if wide_head else out
+        return logits, (mass if view.wants_mass else None)
+
     def __call__(self, model: Transformer, input_ids: torch.Tensor, view: DecodeView
                  ) -> torch.Tensor:
         """Logits [batch, vocab] float32 of one decode step of the batch in `view` (whose
@@ -104,3 +127,58 @@ class NativeDecodeStep:
             view.values, view.key_scales or [], view.value_scales or [], view.positions,
             view.cos.float(), view.sin.float(), self.num_heads, self.num_kv_heads, self.eps)
         return model.output(out).float() if wide_head else out
+
+
+class PagedNativeDecode:
+    """Decode steps over a paged cache (the engine's: live sessions, HTTP answers, triggers)
+    as one native call each, `NativeDecodeStep.paged`, once the model fits
+    (`native_step_fits`: checked again every `RECHECK_S` seconds until it does, as the int4
+    layers' kernel is built in the background on their first calls). A step it does not
+    serve (prefill, frame embeddings, recall acting between layers, CUDA, a cache without
+    `paged_decode_view`) runs layer by layer; so does one the op rejects (counted in
+    `fallbacks`, one warning)."""
+
+    RECHECK_S = 1.0
+
+    def __init__(self, enabled: bool | None = None) -> None:
+        """`enabled`: None follows `native_kernels_by_default()`."""
+        self.enabled = native_kernels_by_default() if enabled is None else enabled
+        self.step: NativeDecodeStep | None = None
+        self.steps = 0  # steps that ran as one native call
+        self.fallbacks = 0  # steps the op rejected, run layer by layer instead
+        self._checked_at = -math.inf
+        self._clock = time.monotonic
+
+    def run(self, model: Transformer, input_ids: torch.Tensor, batch: BatchMetadata,
+            backend: object) -> torch.Tensor | None:
+        """Logits of a prepared decode step (rows `batch.logit_rows`), or None where it must
+        run layer by layer."""
+        if (not self.enabled or input_ids.device.type != "cpu" or not batch.is_decode
+                or batch.embed_rows is not None or model.kernels.backend == "triton"):
+            return None
+        view_of = getattr(backend, "paged_decode_view", None)
+        view = view_of(batch) if view_of is not None else None
+        if view is None or self._step_for(model, view.kv.k.dtype) is None:
+            return None
+        try:
+            with torch.inference_mode():
+                logits, mass = self.step.paged(model, input_ids, view)
+        except RuntimeError as error:  # a check of the op: the layers rewrite the same slots
+            if not self.fallbacks:
+                log.warning("a paged decode step ran layer by layer: %s", error)
+            self.fallbacks += 1
+            return None
+        if mass is not None:
+            backend.observe_step_mass(batch, mass)
+        self.steps += 1
+        if batch.logit_rows is not None and batch.logit_rows.numel() != logits.shape[0]:
+            logits = logits.index_select(0, batch.logit_rows)
+        return logits
+
+    def _step_for(self, model: Transformer, kv_dtype: torch.dtype) -> NativeDecodeStep | None:
+        if self.step is None and self._clock() - self._checked_at >= self.RECHECK_S:
+            self._checked_at = self._clock()
+            if native_step_fits(model, kv_dtype):
+                self.step = NativeDecodeStep(model)
+                log.info("paged decode steps run as one native call")
+        return self.step

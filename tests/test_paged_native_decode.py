@@ -1,0 +1,129 @@
+"""Decode steps over the engine's paged cache as one native call (`PagedNativeDecode`) give
+the layer-by-layer model's logits, page contents and attention-mass scores, on float32,
+bfloat16 and int8 pools, with q/k/v biases, sequences of different lengths sharing pages,
+and eviction between steps; steps it does not serve run layer by layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import eager_decode, random_model, skip_unless_int4_vectorized, tiny_config
+
+from kernels.ops import KernelOps
+from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.llama import fuse_projections
+from streamgrok.model.native_decode import PagedNativeDecode
+from streamgrok.model.quantized import Int4Linear, quantize_model, wait_native_int4
+
+VOCAB = 320
+
+
+def q4_model(bias: bool):
+    """A tiny fused q4 model on the native int4 kernel, its paged steps native."""
+    config = tiny_config(vocab_size=VOCAB, attention_bias=bias)
+    model = quantize_model(fuse_projections(random_model(config)), "q4")
+    layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STREAMGROK_NATIVE_ATTENTION", "1")  # the suite's default is off
+        layer.int4_matmul.native.enabled = True
+        skip_unless_int4_vectorized(wait_native_int4(model, timeout=900),
+                                    layer.int4_matmul.native.error)
+    model.paged_native = PagedNativeDecode(enabled=True)
+    return model
+
+
+def paged_cache(model, kv_dtype: str, policy: str, budget: int | None) -> PagedKVCache:
+    config = CacheConfig(policy=policy, budget_tokens=budget, kv_dtype=kv_dtype, page_size=16,
+                         window_tokens=8 if budget else None, evict_slack_tokens=0)
+    # the oracle's attention: PyTorch's paged reference, not the native kernel the step calls
+    return PagedKVCache(model.config, config, num_pages=96,
+                        kernels=KernelOps("torch", compiled_reads=False, native_attention=False))
+
+
+def prefilled(model, cache: PagedKVCache, lengths: list[int]) -> None:
+    """Sequences of `lengths` random tokens, the second forked from the first (shared
+    pages), prefilled layer by layer."""
+    gen = torch.Generator().manual_seed(sum(lengths))
+    with torch.inference_mode(), eager_decode(model):
+        for seq, n in enumerate(lengths):
+            if seq == 1:
+                cache.fork(0, 1)
+                n -= lengths[0]
+            cache.add_sequence(seq) if seq != 1 else None
+            ids = torch.randint(0, VOCAB, (n,), generator=gen)
+            model(ids, BatchMetadata.build([seq], [n]), cache)
+
+
+@pytest.mark.parametrize(("kv_dtype", "bias", "policy", "budget"), [
+    ("float32", False, "full", None),
+    ("int8", False, "h2o", 40),
+    ("bfloat16", True, "h2o", 200),
+    ("int8", True, "redundancy", 40),
+])
+def test_native_paged_steps_equal_layer_by_layer_steps(kv_dtype, bias, policy, budget):
+    model = q4_model(bias)
+    lengths = [5, 21, 36, 50]  # sequence 1 extends sequence 0's pages
+    native, reference = (paged_cache(model, kv_dtype, policy, budget) for _ in range(2))
+    for cache in (native, reference):
+        prefilled(model, cache, lengths)
+    seqs = list(range(len(lengths)))
+    gen = torch.Generator().manual_seed(7)
+    evicted = 0
+    with torch.inference_mode():
+        for step in range(12):
+            ids = torch.randint(0, VOCAB, (len(seqs),), generator=gen)
+            native.reserve({s: 1 for s in seqs})
+            got = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), native)
+            native.commit()
+            reference.reserve({s: 1 for s in seqs})
+            with eager_decode(model):
+                want = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), reference)
+            reference.commit()
+            # the int4 kernel quantizes its activations, which a last-bit difference upstream
+            # (a norm summed in another order) can move by a level
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.01)
+            if budget is not None and step % 4 == 3:
+                count = native.evict()
+                assert reference.evict() == count
+                evicted += count
+    assert model.paged_native.steps == 12 and model.paged_native.fallbacks == 0
+    assert evicted > 0 or budget is None or budget > max(lengths) + 12
+    for seq in seqs:
+        for got_rec, want_rec in zip(native.sequences[seq].layers,
+                                     reference.sequences[seq].layers, strict=True):
+            assert got_rec.length == want_rec.length
+            torch.testing.assert_close(got_rec.score, want_rec.score, atol=0.02, rtol=0.02)
+            slots = got_rec.slots(0, got_rec.length)
+            assert torch.equal(slots, want_rec.slots(0, want_rec.length))
+            got_k, got_v = native.pool.paged_kv().read(slots, torch.float32)
+            want_k, want_v = reference.pool.paged_kv().read(slots, torch.float32)
+            tolerance = 0.03 if kv_dtype != "float32" else 0.01  # a level or a rounding apart
+            torch.testing.assert_close(got_k, want_k, atol=tolerance, rtol=tolerance)
+            torch.testing.assert_close(got_v, want_v, atol=tolerance, rtol=tolerance)
+
+
+def test_steps_it_does_not_serve_run_layer_by_layer():
+    model = q4_model(bias=False)
+    cache = paged_cache(model, "float32", "full", None)
+    prefilled(model, cache, [9, 20])
+    with torch.inference_mode():
+        model(torch.tensor([3, 4, 5]), BatchMetadata.build([0, 1], [2, 1]), cache)  # prefill
+        batch = BatchMetadata.build([0], [1])
+        batch.embed_rows = torch.tensor([0])  # a frame's embedding
+        batch.embed_values = torch.zeros(1, model.config.hidden_size)
+        model(torch.tensor([6]), batch, cache)
+        assert model.paged_native.steps == 0
+        model(torch.tensor([7, 8]), BatchMetadata.build([0, 1], [1, 1]), cache)
+    assert model.paged_native.steps == 1
+
+
+def test_a_float_model_never_takes_the_native_step():
+    model = fuse_projections(random_model(tiny_config(vocab_size=VOCAB)))
+    model.paged_native = PagedNativeDecode(enabled=True)
+    cache = paged_cache(model, "float32", "full", None)
+    prefilled(model, cache, [9, 20])
+    with torch.inference_mode():
+        model(torch.tensor([7, 8]), BatchMetadata.build([0, 1], [1, 1]), cache)
+    assert model.paged_native.steps == 0 and model.paged_native.step is None
