@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -39,9 +40,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="attention/norm kernels: auto = Triton on CUDA, PyTorch on CPU")
     parser.add_argument("--weights", default="auto",
                         choices=("auto", "f32", "bf16", "q8", "q4", "w8a8"),
-                        help="how the projections and output head are stored: auto (in "
-                             "--dtype), f32, bf16, weight-only int8 (q8) / int4 (q4) for "
-                             "fast CPU decode, or int8 weights and activations (w8a8, "
+                        help="how the projections and output head are stored: auto (q4 on "
+                             "the CPU unless --dtype is given, else in --dtype), f32, bf16, "
+                             "weight-only int8 (q8) / int4 (q4) for fast CPU decode, or int8 weights and activations (w8a8, "
                              "SmoothQuant-calibrated at load) for fast CPU prefill and "
                              "batched decode")
 
@@ -290,9 +291,23 @@ def _add_bench_commands(commands) -> None:
     _add_model_options(kv)
     kv.set_defaults(dtype="bfloat16")
     serve = benches.add_parser("serve", formatter_class=DEFAULTS,
-                               help="concurrent live sessions vs one at a time")
-    serve.add_argument("--sessions", default="1,8,32", help="concurrent sessions per row")
-    serve.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
+                               help="`streamgrok serve` over HTTP: N concurrent streaming "
+                                    "chat completions, against llama-server with --peer")
+    serve.add_argument("--sessions", default="1,8,32",
+                       help="concurrent requests (sessions with --in-process) per row")
+    serve.add_argument("--max-tokens", type=int, default=64, help="tokens per answer")
+    serve.add_argument("--peer", default=None, choices=("llama-server",),
+                       help="the peer server, run on the same GGUF, threads and client")
+    serve.add_argument("--peer-bin", default=None, help="folder holding llama-server")
+    serve.add_argument("--rounds", type=int, default=3,
+                       help="rounds per server, alternating; figures are medians")
+    serve.add_argument("--serve-arg", action="append", default=[],
+                       help="extra `streamgrok serve` argument (repeatable), e.g. "
+                            "--serve-arg=--weights=f32")
+    serve.add_argument("--out", default="bench-results", help="folder for JSON and plot")
+    serve.add_argument("--in-process", action="store_true",
+                       help="the engine in this process instead: live sessions pushing "
+                            "frames and notes, concurrent vs one at a time")
     serve.add_argument("--baseline-sessions", type=int, default=4,
                        help="sessions of the one-at-a-time baseline")
     serve.add_argument("--nano-batches", type=int, default=1, help="engine nano-batches")
@@ -345,16 +360,22 @@ def _add_bench_commands(commands) -> None:
 def _load(args: argparse.Namespace):
     from kernels.ops import KernelOps
     from streamgrok.model.loader import load_model
-    from streamgrok.runtime import configure_threads, resolve_device, resolve_dtype
+    from streamgrok.runtime import (
+        configure_threads,
+        resolve_device,
+        resolve_dtype,
+        resolve_weights,
+    )
 
     configure_threads(args.threads)
     device = resolve_device(args.device)
-    dtype = {"f32": "float32", "bf16": "bfloat16"}.get(args.weights, args.dtype)
+    weights = resolve_weights(args.weights, args.dtype, device)
+    dtype = {"f32": "float32", "bf16": "bfloat16"}.get(weights, args.dtype)
     from streamgrok.model.hub import is_hub_name, resolve
 
     offline = getattr(args, "offline", False)
     loaded = load_model(resolve(args.model, offline), resolve_dtype(dtype, device), device,
-                        args.weights, mmproj=resolve(getattr(args, "mmproj", None), offline))
+                        weights, mmproj=resolve(getattr(args, "mmproj", None), offline))
     if args.model and is_hub_name(args.model):
         loaded.name = args.model
     loaded.model.kernels = KernelOps(args.kernels)
@@ -473,7 +494,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          peer_bin=args.peer_bin, kv_dtype=args.kv_dtype, out=args.out)
         return 0
     if args.bench == "kv":
-        from pathlib import Path
 
         from streamgrok.bench.kv import KvBenchOptions, run_kv_bench
         from streamgrok.bench.recall import RecallBenchOptions
@@ -541,6 +561,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         run_soak_bench(args)
         return 0
+    if args.bench == "serve" and not args.in_process:
+        return _bench_serve_http(args)
     if args.bench == "serve":
         from streamgrok.bench.serve import run_serve_bench
 
@@ -550,6 +572,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               for x in args.small_step_threads.split(",")))
         return 0
     raise AssertionError(args.bench)
+
+
+def _bench_serve_http(args: argparse.Namespace) -> int:
+    from streamgrok.bench.serve_http import ServeBenchOptions, run_http_serve_bench
+    from streamgrok.errors import StreamgrokError
+    from streamgrok.model.hub import resolve
+    from streamgrok.model.loader import default_model_path
+    from streamgrok.runtime import configure_threads
+
+    if args.peer and not args.peer_bin:
+        raise StreamgrokError("--peer llama-server needs --peer-bin DIR (its build folder)")
+    model = Path(resolve(args.model, args.offline) if args.model else default_model_path())
+    if args.peer and model.suffix != ".gguf":
+        raise StreamgrokError("--peer llama-server needs a .gguf --model both servers load")
+    serve_args = [*args.serve_arg]
+    for flag, value, default in (("--weights", args.weights, "auto"),
+                                 ("--dtype", args.dtype, "auto")):
+        if value != default:
+            serve_args += [flag, value]
+    options = ServeBenchOptions(model, configure_threads(args.threads),
+                                [int(x) for x in args.sessions.split(",")], args.max_tokens,
+                                args.rounds, Path(args.peer_bin) if args.peer else None,
+                                tuple(serve_args))
+    run_http_serve_bench(options, Path(args.out))
+    return 0
 
 
 def _kv_parallel_group(args: argparse.Namespace):
@@ -625,7 +672,6 @@ def _event_loop_runner():
 def resolve_pipeline(name: str) -> str:
     """A pipeline file's path: a file that exists, or the name of a sample pipeline shipped
     with streamgrok (`live_qa`, `alert`, `commentary`)."""
-    from pathlib import Path
 
     if Path(name).is_file():
         return name

@@ -35,6 +35,16 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} (choose from {', '.join(DTYPES)})") from None
 
 
+def resolve_weights(weights: str, dtype: str, device: torch.device) -> str:
+    """The weight format `weights` names: `auto` with `dtype` auto is `q4` on the CPU (int4
+    projections, an int8 head: the native decode step; its accuracy against float32 is
+    printed by `streamgrok bench decode`) and the model's dtype elsewhere; any other
+    `weights`, or an explicit `dtype`, is kept as given."""
+    if weights == "auto" and dtype == "auto" and torch.device(device).type == "cpu":
+        return "q4"
+    return weights
+
+
 def configure_threads(threads: int | None) -> int:
     """Set torch's intra-op threads (default: all cores) and steady host-allocator
     thresholds; returns the thread count in use."""

@@ -263,3 +263,21 @@ async def test_an_allowed_browser_origin_may_call_the_api(tiny_loaded):
             assert other.status_code == 403
     finally:
         await srv.stop()
+
+
+async def test_the_serve_benchmark_client_measures_concurrent_streams(server):
+    """`bench serve`'s client against the real server: every request streams its tokens,
+    with a first-token time and gaps; the server ends with no pages held."""
+    import os
+
+    from streamgrok.bench.http_load import run_row
+
+    row = await run_row("streamgrok", f"http://127.0.0.1:{server.port}", server.model_name,
+                        os.getpid(), 3, 0, 8, api_key=KEY)
+    assert row.failed == 0 and len(row.requests) == 3
+    for request in row.requests:
+        assert 1 <= request.tokens <= 8 and request.ttft is not None and request.ttft > 0
+        assert len(request.arrivals) >= 1 and all(gap >= 0 for gap in request.gaps())
+    assert row.tokens == sum(r.tokens for r in row.requests) and row.throughput() > 0
+    assert row.peak_rss_mb > 0
+    assert await pages_freed(server)

@@ -13,7 +13,6 @@ from typing import Any, Protocol
 import torch
 
 from kernels.paged_kv import PagedKV
-
 from streamgrok.stream_tokens import TokenInfo
 
 

@@ -22,8 +22,9 @@ background step once the native kernels are built, so such a process never impor
 compiler.
 
 The contiguous cache (one-shot generation, `streamgrok chat`, `bench decode`) gives decode
-views; the engine's paged streaming cache does not yet (its attention keeps Python-side
-page plans and eviction scores), so live sessions decode eagerly.
+views. The engine's paged streaming cache does not: there an int4 model's decode steps run
+as one native call over the page tables (`native_decode.PagedNativeDecode`), and other
+models' layer by layer.
 """
 
 from __future__ import annotations

@@ -1,18 +1,22 @@
-"""Decode steps of an int4 model on the CPU as one native call (`kernels/cpu/decode_step.cpp`).
+"""Decode steps of an int4 model on the CPU as one native call.
 
-A model whose projections and output head are all int4 layers on the native int4 kernel
-(`--weights q4`) decodes on the contiguous cache (`streamgrok chat`, one-shot generation,
-`bench decode`; the engine's paged cache decodes eagerly, see `compiled_decode`) through
-`NativeDecodeStep` instead of a compiled graph: the token embeddings are looked up here, and
-everything after them, every layer's norms, matmuls, rotary, K/V store writes, attention,
-SwiGLU and residuals, then the final norm and the head, is one call of a C++ op that calls
-the native int4 matmul and attention kernels directly. It does what
-`compiled_decode.decode_graph` does under torch.compile, without the compiler in the
-process: dynamo and inductor, which a compiled step keeps resident (SmolLM2 q4 with an int8
-cache at 32 sequences of 524 tokens, `bench decode`'s worker: peak RSS 1231 -> 938-947 MB
-against llama.cpp's 692), and without a compiled step's guard check and Python wrapper
-(batch 1: 3.6-3.8 -> 2.5-3.0 ms a step). The eager model is its reference
-(tests/test_native_decode.py).
+A model whose projections are all int4 layers on the native int4 kernel and whose head is
+int4 or weight-only int8 (`--weights q4`, the CPU default) decodes through
+`NativeDecodeStep`: the token embeddings are looked up here, and everything after them,
+every layer's norms, matmuls, rotary, K/V writes, attention, SwiGLU and residuals, then the
+final norm and the head, is one call of a C++ op that calls the native int4 matmul and
+attention kernels directly, without the compiler (dynamo, inductor) in the process and
+without a compiled step's guard check and Python wrapper. Two ops share the layer loop
+(`kernels/cpu/step_parts.h`):
+
+- `decode_step` over the contiguous cache (`streamgrok chat`, one-shot generation, `bench
+  decode`), chosen by `compiled_decode.CompiledDecode` instead of compiling;
+- `paged_decode_step` over the engine's paged streaming cache (live sessions, HTTP answers,
+  triggers), chosen by `PagedNativeDecode`: new K/V go to the slots the cache reserved,
+  attention reads each layer's page tables and returns the attention mass eviction scores.
+
+The eager model is the reference of both (tests/test_native_decode.py,
+tests/test_paged_native_decode.py); docs/cpu-performance.md has the measurements.
 """
 
 from __future__ import annotations
