@@ -27,13 +27,32 @@ class PagedKV:
         device: torch.device | str = "cpu",
     ) -> PagedKV:
         """Zeroed storage for `slots` tokens; int8 storage gets float16 scales."""
-        k = torch.zeros(slots, kv_heads, head_dim, dtype=dtype, device=device)
-        v = torch.zeros_like(k)
+        storage = cls.unwritten(slots, kv_heads, head_dim, dtype, page_size, device)
+        for tensor in storage.tensors():
+            tensor.zero_()
+        return storage
+
+    @classmethod
+    def unwritten(
+        cls, slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedKV:
+        """Storage for `slots` tokens whose contents are undefined until written (`zero_pages`
+        before use): on the CPU the operating system commits its memory as it is first
+        written, so a large pool costs what its pages in use hold."""
+        k = torch.empty(slots, kv_heads, head_dim, dtype=dtype, device=device)
+        v = torch.empty_like(k)
         if dtype != torch.int8:
             return cls(k, v, page_size)
-        scales = [torch.zeros(slots, kv_heads, dtype=torch.float16, device=device)
+        scales = [torch.empty(slots, kv_heads, dtype=torch.float16, device=device)
                   for _ in "kv"]
         return cls(k, v, page_size, *scales)
+
+    def zero_pages(self, pages: torch.Tensor) -> None:
+        """Zero every slot of `pages` (page indices, int64) in every stored tensor."""
+        for tensor in self.tensors():
+            paged = tensor.view(-1, self.page_size, *tensor.shape[1:])
+            paged.index_fill_(0, pages.to(tensor.device), 0)
 
     def clone(self) -> PagedKV:
         """An independent copy of every stored tensor."""

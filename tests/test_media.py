@@ -337,3 +337,18 @@ def test_vad_finds_the_same_speech_whatever_the_chunk_sizes(tmp_path):
     whole = segments(samples.shape[0])
     assert len(whole) == 1 and 0.9 <= whole[0][0] <= 1.7
     assert segments(16000) == whole and segments(777) == whole
+
+
+def test_the_voice_activity_model_leaves_torch_threads_alone(tmp_path):
+    """silero-vad's package sets torch's threads to 1 when imported; the server loads the
+    voice-activity model before its engine steps, which must keep every configured core."""
+    from helpers import run_script
+
+    script = tmp_path / "vad_threads.py"
+    script.write_text(
+        "import sys, torch\n"
+        "torch.set_num_threads(3)\n"
+        "from streamgrok.media.audio import SpeechModel\n"
+        "SpeechModel()\n"
+        "print(torch.get_num_threads(), 'silero_vad.model' in sys.modules)\n")
+    assert run_script(script, {}).stdout.split() == ["3", "False"]

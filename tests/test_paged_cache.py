@@ -468,3 +468,24 @@ def test_kv_dtype_follows_the_model_and_the_pool_size_has_defaults():
     assert CacheConfig(kv_dtype="int8").for_model(torch.bfloat16).kv_dtype == "int8"
     with pytest.raises(ValueError, match="resolved against the model"):
         _ = CacheConfig().torch_kv_dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_pages_are_handed_out_zeroed_even_after_reuse(dtype):
+    from streamgrok.cache.pool import PagePool
+
+    pool = PagePool(4, 16, 2, 8, dtype, torch.float32)
+    pages = pool.allocate(3)
+    kv = pool.paged_kv()
+    for page in pages:
+        for tensor in kv.tensors():
+            assert not tensor[page * 16:(page + 1) * 16].any()
+            tensor[page * 16:(page + 1) * 16] = 7  # written by a sequence
+    pool.release(pages[1:])
+    again = pool.allocate(2)
+    assert sorted(again) == sorted(pages[1:])  # the released pages, reused
+    for page in again:
+        for tensor in kv.tensors():
+            assert not tensor[page * 16:(page + 1) * 16].any()
+    for tensor in kv.tensors():  # the page still held keeps what was written
+        assert (tensor[pages[0] * 16:(pages[0] + 1) * 16] == 7).all()

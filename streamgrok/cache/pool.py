@@ -31,8 +31,9 @@ class PagePool:
         self.page_size = page_size
         self.dtype = dtype
         self.compute_dtype = compute_dtype
-        self._kv = PagedKV.zeros(num_pages * page_size, kv_heads, head_dim, dtype, page_size,
-                                 device)
+        # pages are zeroed as they are handed out, so the storage is committed as it fills
+        self._kv = PagedKV.unwritten(num_pages * page_size, kv_heads, head_dim, dtype,
+                                     page_size, device)
         self.refcount = [0] * num_pages
         self.generation = [0] * num_pages  # bumped whenever a page's content is replaced
         self._free = list(range(num_pages - 1, -1, -1))
@@ -56,6 +57,8 @@ class PagePool:
         for page in pages:
             self.refcount[page] = 1
             self.generation[page] += 1
+        if pages:  # no stale or never-written entries reach a kernel through a new page
+            self._kv.zero_pages(torch.tensor(pages, dtype=torch.int64))
         return pages
 
     def touch(self, pages: list[int]) -> None:

@@ -307,6 +307,8 @@ class Engine:
     # -- engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.runner.threads is not None:
+            self.runner.threads.adopt()
         with torch.inference_mode():
             idle = True
             while not self._stopping.is_set():

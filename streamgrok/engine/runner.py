@@ -33,6 +33,13 @@ class StepThreads:
         large = torch.get_num_threads()
         return cls(large if small is None else small, large, small_tokens)
 
+    def adopt(self) -> None:
+        """Take these counts on the calling thread (the engine's, as it starts): torch's
+        thread count is process-wide, but a library loaded since the counts were chosen may
+        have changed it."""
+        torch.set_num_threads(self.large)
+        self.current = self.large
+
     def restore(self) -> None:
         """Back to the step threads (torch's thread count is process-wide)."""
         self.use_for(self.small_tokens + 1)

@@ -4,8 +4,9 @@ Input is 16 kHz mono float audio."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
-from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
@@ -25,6 +26,17 @@ class SpeechSegment:
     continues: bool = False  # cut from longer speech that goes on after it
 
 
+def silero_model_path() -> Path:
+    """The sequence ONNX model the silero-vad package ships, found without importing the
+    package: its `__init__` sets torch's threads to 1 for the whole process (the engine's
+    steps would then run on one core)."""
+    spec = importlib.util.find_spec("silero_vad")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("silero-vad is not installed (pip install silero-vad)")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / \
+        "silero_vad_16k_sequence.onnx"
+
+
 class SpeechModel:
     """silero-vad's sequence ONNX model: one call scores a whole block of 32 ms windows (the
     LSTM state goes in and out), and ONNX Runtime releases the GIL while it runs, so many
@@ -37,9 +49,8 @@ class SpeechModel:
         options = onnxruntime.SessionOptions()
         options.inter_op_num_threads = 1
         options.intra_op_num_threads = 1
-        path = resources.files("silero_vad") / "data" / "silero_vad_16k_sequence.onnx"
         self.session = onnxruntime.InferenceSession(
-            str(path), sess_options=options, providers=["CPUExecutionProvider"])
+            str(silero_model_path()), sess_options=options, providers=["CPUExecutionProvider"])
 
     def score(self, windows: np.ndarray, state: tuple[np.ndarray, np.ndarray]
               ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
