@@ -42,7 +42,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         choices=("auto", "f32", "bf16", "q8", "q4", "w8a8"),
                         help="how the projections and output head are stored: auto (q4 on "
                              "the CPU unless --dtype is given, else in --dtype), f32, bf16, "
-                             "weight-only int8 (q8) / int4 (q4) for fast CPU decode, or int8 weights and activations (w8a8, "
+                             "weight-only int8 (q8) / int4 (q4) for fast CPU decode, or "
+                             "int8 weights and activations (w8a8, "
                              "SmoothQuant-calibrated at load) for fast CPU prefill and "
                              "batched decode")
 
