@@ -127,3 +127,44 @@ def test_a_float_model_never_takes_the_native_step():
     with torch.inference_mode():
         model(torch.tensor([7, 8]), BatchMetadata.build([0, 1], [1, 1]), cache)
     assert model.paged_native.steps == 0 and model.paged_native.step is None
+
+
+async def test_the_engine_decodes_natively_while_other_sessions_stream(tiny_gguf):
+    """Answers decode as one native call per step even in steps that also prefill another
+    session's stream: the runner runs a step's decode tokens as a pass of their own."""
+    import asyncio
+
+    from streamgrok.engine import Engine, EngineConfig
+    from streamgrok.model.loader import load_model
+    from streamgrok.model.sampling import SamplingParams
+
+    loaded = load_model(tiny_gguf, weights="q4")
+    layer = next(m for m in loaded.model.modules() if isinstance(m, Int4Linear))
+    layer.int4_matmul.native.enabled = True
+    skip_unless_int4_vectorized(wait_native_int4(loaded.model, timeout=900),
+                                layer.int4_matmul.native.error)
+    whole = loaded.model.paged_native = PagedNativeDecode(enabled=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    async with Engine(loaded, CacheConfig(budget_tokens=512, memory_gib=0.05),
+                      EngineConfig(merge_window_s=0)) as engine:
+        asking, streaming = engine.new_session("sys"), engine.new_session("sys")
+        await asking.append_message("a note about the kitchen")
+        await asking.ask("warm up", SamplingParams(max_tokens=2)).text()
+        assert whole.step is not None  # chosen once the model was seen to fit
+        before = whole.steps
+        split = []
+        original = engine.runner.split
+        engine.runner.split = lambda spans: split.append(original(spans)) or split[-1]
+
+        answer = asking.ask("what happened?", greedy)
+        answering = asyncio.ensure_future(answer.text())
+        for i in range(2000):  # notes stream in for as long as the answer decodes
+            if answering.done():
+                break
+            await streaming.append_message(f"note {i}: " + "words " * 9)
+            await asyncio.sleep(0.002)
+        text = await answering
+        assert answer.metrics.finish_reason in ("stop", "length") and text is not None
+    assert whole.steps > before and whole.fallbacks == 0
+    mixed = [groups for groups in split if len(groups) == 2]
+    assert mixed, "no step mixed an answer's decode with another session's prefill"

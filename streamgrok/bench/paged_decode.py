@@ -1,6 +1,8 @@
 """`streamgrok bench kv --parts paged`: the engine's decode steps on the paged streaming
 cache, attention by the native CPU kernel against the PyTorch path (compiled paged reads),
-the same cache and sequences, steps alternating between the two in one process.
+the same cache and sequences, steps alternating between the two in one process; for a model
+the native step serves (`--weights q4`), a third column times the whole step as one native
+call (`PagedNativeDecode`), as the engine runs it.
 
 The cache evicts by h2o, so every decode step also returns the attention mass, as in a live
 session with that policy; its budget is above the contexts, so nothing is evicted while it
@@ -35,6 +37,7 @@ class PagedDecodeRow:
     native_ms: float
     torch_ms: float
     kv_bytes: int  # K/V one step reads, all layers
+    step_ms: float | None = None  # the whole step as one native call, where it serves
 
     @property
     def speedup(self) -> float:
@@ -56,7 +59,8 @@ def paged_decode(loaded: LoadedModel, out_dir: Path, chunk: int = 512) -> dict:
     print(f"\n[paged decode] h2o cache (mass read every step), {STEPS} steps per path, "
           f"alternating; K/V GB/s = K/V bytes a step reads / whole step time")
     print(f"{'seqs':>5} {'context':>8} {'native ms':>10} {'torch ms':>9} {'speedup':>8} "
-          f"{'native tok/s':>13} {'torch tok/s':>12} {'native GB/s':>12} {'torch GB/s':>11}")
+          f"{'native tok/s':>13} {'torch tok/s':>12} {'native GB/s':>12} {'torch GB/s':>11} "
+          f"{'one-call ms':>12} {'one-call tok/s':>15}")
     rows = []
     for sequences, context in tqdm(SHAPES, desc="paged decode", leave=False):
         cache = _filled_cache(loaded, sequences, ids[:context], chunk)
@@ -65,10 +69,13 @@ def paged_decode(loaded: LoadedModel, out_dir: Path, chunk: int = 512) -> dict:
         tqdm.write(f"{sequences:>5} {context:>8} {row.native_ms:>10.1f} {row.torch_ms:>9.1f} "
               f"{row.speedup:>7.2f}x {sequences / row.native_ms * 1e3:>13.1f} "
               f"{sequences / row.torch_ms * 1e3:>12.1f} {row.gbps(row.native_ms):>12.1f} "
-              f"{row.gbps(row.torch_ms):>11.1f}")
+              f"{row.gbps(row.torch_ms):>11.1f} "
+              + (f"{row.step_ms:>12.1f} {sequences / row.step_ms * 1e3:>15.1f}"
+                 if row.step_ms else f"{'-':>12} {'-':>15}"))
     _plot(rows, out_dir / "paged_decode.png")
     return {f"{r.sequences}x{r.context}": {"native_ms": r.native_ms, "torch_ms": r.torch_ms,
-                                           "speedup": r.speedup} for r in rows}
+                                           "speedup": r.speedup, "one_call_ms": r.step_ms}
+            for r in rows}
 
 
 def _filled_cache(loaded: LoadedModel, sequences: int, ids: list[int],
@@ -94,20 +101,29 @@ def _time_paths(loaded: LoadedModel, cache: PagedKVCache, sequences: int, contex
     def step() -> None:
         loaded.model(tokens, BatchMetadata.build(seq_ids, [1] * sequences, device), cache)
 
-    times: dict[str, list[float]] = {"native": [], "torch": []}
+    whole = loaded.model.paged_native
+    paths = [("native", native_ops, False), ("torch", torch_ops, False)]
     with torch.inference_mode():
-        for ops in (native_ops, torch_ops):  # untimed: starts the compiled reads' compilation
-            cache.kernels = ops
+        whole.enabled = True
+        cache.kernels = native_ops
+        step()  # untimed: whether the model fits the one-call step
+        if whole.steps:
+            paths.append(("step", native_ops, True))
+        for _, ops, one_call in paths:  # untimed: starts the compiled reads' compilation
+            cache.kernels, whole.enabled = ops, one_call
             step()
         torch_ops.paged_reader.wait_compiled()
+        times: dict[str, list[float]] = {name: [] for name, _, _ in paths}
         for _ in range(STEPS):
-            for name, ops in (("native", native_ops), ("torch", torch_ops)):
-                cache.kernels = ops
+            for name, ops, one_call in paths:
+                cache.kernels, whole.enabled = ops, one_call
                 times[name].append(timed(step, device))
+        whole.enabled = True
     kv_bytes = _kv_bytes(loaded, sequences * (context + STEPS),
                          cache.pool.paged_kv().k.element_size())
     return PagedDecodeRow(sequences, context, median(times["native"]) * 1e3,
-                          median(times["torch"]) * 1e3, kv_bytes)
+                          median(times["torch"]) * 1e3, kv_bytes,
+                          median(times["step"]) * 1e3 if "step" in times else None)
 
 
 def _kv_bytes(loaded: LoadedModel, tokens: int, element: int) -> int:

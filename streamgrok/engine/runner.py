@@ -105,8 +105,8 @@ class ModelRunner:
         """Execute the plan; returns {span index: sampled token} for spans that sample."""
         groups = self.split(plan.spans)
         parts = [self._pack([plan.spans[i] for i in group]) for group in groups]
-        if len(parts) == 1:
-            logits = [self.model(parts[0][0], parts[0][1], self.backend)]
+        if len(parts) == 1 or self.nano_batches == 1:  # one pass each (decode_apart)
+            logits = [self.model(ids, batch, self.backend) for ids, batch in parts]
         else:
             streams = self.streams[: len(parts)] if self.streams else None
             logits = self._forward_nano(parts, streams)
@@ -151,12 +151,15 @@ class ModelRunner:
 
     def split(self, spans: list[Span]) -> list[list[int]]:
         """Indices of spans per nano-batch: decode spans sorted by cache length and cut where
-        lengths stop being similar (less padding), prefill spans dealt out by size."""
+        lengths stop being similar (less padding), prefill spans dealt out by size. Without
+        nano-batches, decode and prefill spans part where `decode_apart`."""
         count = min(self.nano_batches, len(spans))
-        if count <= 1:
-            return [list(range(len(spans)))]
         decode = [i for i, s in enumerate(spans) if s.is_decode]
         prefill = [i for i, s in enumerate(spans) if not s.is_decode]
+        if count <= 1:
+            if decode and prefill and self.decode_apart():
+                return [decode, prefill]
+            return [list(range(len(spans)))]
         lengths = {i: self._cache_length(spans[i].seq_id) for i in decode}
         decode.sort(key=lambda i: lengths[i])
         groups: list[list[int]] = [[] for _ in range(count)]
@@ -171,6 +174,13 @@ class ModelRunner:
         for i in sorted(prefill, key=lambda i: -len(spans[i])):
             min(groups, key=lambda grp: sum(len(spans[j]) for j in grp)).append(i)
         return [sorted(grp) for grp in groups if grp]
+
+    def decode_apart(self) -> bool:
+        """Whether a step's decode tokens run as a pass of their own, apart from its prefill
+        chunks: where the model's decode steps over the paged cache are one native call
+        (which takes decode-only batches), the rest of the step runs layer by layer."""
+        whole = getattr(self.model, "paged_native", None)
+        return whole is not None and whole.enabled and whole.step is not None
 
     def _cache_length(self, seq_id: int) -> int:
         lengths = getattr(self.backend, "layer_lengths", None)

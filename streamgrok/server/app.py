@@ -137,17 +137,34 @@ class StreamgrokServer:
         self.http: _Uvicorn | None = None
         self._socket: socket.socket | None = None
         self.pipeline: Pipeline | None = None
+        self._media_loading: asyncio.Future | None = None
         if loaded is not None:
             self._prepare(loaded)
 
     def _prepare(self, loaded: LoadedModel) -> None:
         self.loaded = loaded
         self.pipeline = self.session_pipeline(None)  # fail early; the client allow-list
+
+    def _load_media_models(self) -> None:
         ingest = self.pipeline.ingest
-        if ingest.audio:  # loaded once, before the first client waits on them
+        if ingest.audio:
             self.resources.speech_model()
             if ingest.transcribe:
                 self.resources.transcriber(ingest.speech_model)
+
+    async def media_models(self) -> None:
+        """Load the pipeline's speech models (voice activity, the transcriber) on a worker
+        thread, once, when the first live session needs them: an idle server, and one
+        answering only HTTP text requests, never holds them; a session starting meanwhile
+        waits for the load instead of stalling the event loop."""
+        if self._media_loading is None:
+            self._media_loading = asyncio.ensure_future(
+                asyncio.to_thread(self._load_media_models))
+        try:
+            await asyncio.shield(self._media_loading)
+        except Exception:
+            self._media_loading = None  # the next session tries again (and reports it)
+            raise
 
     @property
     def ready(self) -> bool:

@@ -157,6 +157,7 @@ class ClientConnection:
     async def _start(self, message: dict) -> None:
         if self.runner is not None:
             raise ProtocolError("session_exists", "session.start sent twice", message.get("id"))
+        await self.server.media_models()
         self.open_session(message.get("options"), message.get("id"))
         self.tasks.append(asyncio.create_task(self._stats_loop()))
         self.send("session.started", session_id=self.runner.session.id,

@@ -82,6 +82,7 @@ class RealtimeConnection(ClientConnection):
 
     async def serve(self) -> None:
         try:
+            await self.server.media_models()
             self.open_session(None)
         except (ProtocolError, StreamgrokError) as exc:
             code = exc.code if isinstance(exc, ProtocolError) else "session_refused"
