@@ -27,6 +27,11 @@ from kernels.paged_kv import PagedKV
 from kernels.paged_read import PagedReader
 
 BACKENDS = ("auto", "torch", "triton")
+# Prefill chunks of at most this many queries per sequence attend by the native CPU kernel
+# (many sessions' short prompts and streamed notes, packed in one step); longer ones by the
+# PyTorch path, whose dense attention is faster on long chunks over long contexts
+# (docs/cpu-performance.md has the measurements).
+NATIVE_PREFILL_MAX_QUERIES = 128
 
 
 class KernelOps:
@@ -107,9 +112,13 @@ class KernelOps:
         past: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, max_q: int,
         mass_window: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Chunks of several sequences over their pages; see kernels.paged_prefill_attention."""
+        """Chunks of several sequences over their pages; see kernels.paged_prefill_attention.
+        On the CPU, chunks of at most NATIVE_PREFILL_MAX_QUERIES queries each take the native
+        kernel once it is built."""
         if self.uses_triton(q):
             return paged_prefill_attention.paged_prefill_attention(
                 q, kv, block_tables, cu_q, past, cos, sin, max_q, mass_window)
+        if max_q <= NATIVE_PREFILL_MAX_QUERIES and self.native.serves(q, kv):
+            return cpu_paged_attention(q, kv, block_tables, cu_q, past, cos, sin, mass_window)
         return paged_prefill_attention.reference(q, kv, block_tables, cu_q, past, cos, sin,
                                                  max_q, mass_window, self.paged_reader)

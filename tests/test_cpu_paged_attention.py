@@ -208,3 +208,35 @@ def test_the_paged_decode_bench_times_both_paths_and_plots(tiny_loaded, tmp_path
     assert all(r["native_ms"] > 0 and r["torch_ms"] > 0 for r in results.values())
     assert (tmp_path / "paged_decode.png").stat().st_size > 0
     assert "native ms" in capsys.readouterr().out
+
+
+def test_the_cache_prefills_short_chunks_by_the_native_kernel():
+    """Several sequences' short chunks in one step (prompts, streamed notes) take the native
+    kernel, with the reference's output; long chunks keep the PyTorch path."""
+    from kernels import ops as ops_module
+
+    kv = pool(3, 64, torch.float32, seed=11)
+    counts, past = [5, 30, 12], torch.tensor([0, 40, 7])
+    tables = page_tables(len(counts), 8, seed=5)
+    cu_q = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    cos, sin = rotary_tables(64, 8 * PAGE)
+    q = torch.randn(sum(counts), 9, 64, generator=torch.Generator().manual_seed(4))
+    native = KernelOps("torch", compiled_reads=False, native_attention=True)
+    assert native.native.wait_ready()
+    calls = []
+    original = ops_module.cpu_paged_attention
+    ops_module.cpu_paged_attention = lambda *a: calls.append(1) or original(*a)
+    try:
+        out, _ = native.prefill_attention(q, kv, tables, cu_q, past, cos, sin, max(counts),
+                                          None)
+        assert calls == [1]
+        long = ops_module.NATIVE_PREFILL_MAX_QUERIES + 1
+        q_long = torch.randn(long, 9, 64)
+        native.prefill_attention(q_long, kv, tables[:1], torch.tensor([0, long]),
+                                 torch.tensor([0]), cos, sin, long, None)
+        assert calls == [1]
+    finally:
+        ops_module.cpu_paged_attention = original
+    ref, _ = paged_prefill_attention.reference(q, kv, tables, cu_q, past, cos, sin,
+                                               max(counts), None)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
