@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = commands.add_parser("info", formatter_class=DEFAULTS,
                                help="print model, parameters, dtype, device, threads")
+    info.add_argument("--memory", action="store_true",
+                      help="also load what a server loads (KV page pool, speech models) and "
+                           "report the resident memory each takes")
+    _add_cache_options(info)
     _add_model_options(info)
 
     run = commands.add_parser("run", formatter_class=DEFAULTS,
@@ -423,9 +427,12 @@ def _interactive_questions():
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    import psutil
     import torch
 
+    baseline = psutil.Process().memory_info().rss
     loaded = _load(args)
+    model_growth = psutil.Process().memory_info().rss - baseline
     cfg, model = loaded.config, loaded.model
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     rows = [
@@ -455,6 +462,10 @@ def cmd_info(args: argparse.Namespace) -> int:
                                     f" M tower + "
                                     f"{sum(p.numel() for p in v.connector.parameters()) / 1e6:.1f}"
                                     f" M connector, from {v.source}")]
+    if args.memory:
+        from streamgrok.cli_memory import memory_rows
+
+        rows += memory_rows(baseline, model_growth, loaded, cache_config(args))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -71,9 +71,14 @@ def test_cli_chat_and_info():
                    "--kv-dtype", "int8")
     assert int8.returncode == 0, int8.stderr
     assert "Paris" in int8.stdout
-    info = run_cli("info")
+    info = run_cli("info", "--memory")
     assert info.returncode == 0, info.stderr
     assert "llama" in info.stdout and "30 / 576 / 1536" in info.stdout
+    assert "int4 matmul" in info.stdout  # q4, the CPU default, names the kernel it runs
+    for row in ("memory: torch and libraries", "memory: model", "memory: KV page pool",
+                "memory: total"):
+        assert row in info.stdout
+    assert "memory: transcriber (base)" in info.stdout or "memory: speech models" in info.stdout
 
 
 def test_cli_bad_model_path_is_a_clear_error(tmp_path):
