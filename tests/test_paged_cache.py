@@ -489,3 +489,24 @@ def test_pages_are_handed_out_zeroed_even_after_reuse(dtype):
             assert not tensor[page * 16:(page + 1) * 16].any()
     for tensor in kv.tensors():  # the page still held keeps what was written
         assert (tensor[pages[0] * 16:(pages[0] + 1) * 16] == 7).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([int(Modality.TEXT), int(Modality.FRAME)]),
+                          st.integers(-1, 3), st.booleans()), min_size=1, max_size=12))
+def test_stream_rows_of_one_token_at_a_time_equal_a_chunk(tokens):
+    """A decode step's one-token records (its own fast path) equal the records of the same
+    tokens appended as one chunk: stream index, frame group, modality, time, source."""
+    from streamgrok.cache.paged_cache import SequenceState, next_stream_rows
+
+    info = TokenInfo(torch.tensor([m for m, _, _ in tokens]),
+                     torch.arange(len(tokens), dtype=torch.float64) / 2,
+                     torch.tensor([s for _, s, _ in tokens]),
+                     torch.tensor([p for _, _, p in tokens]))
+    whole, single = SequenceState(0, []), SequenceState(0, [])
+    chunk = next_stream_rows(whole, info)
+    rows = torch.cat([next_stream_rows(single, info.slice(i, i + 1))
+                      for i in range(len(tokens))])
+    assert torch.equal(rows, chunk)
+    assert (single.stream_pos, single.next_group, single.last_frame_source) == \
+        (whole.stream_pos, whole.next_group, whole.last_frame_source)

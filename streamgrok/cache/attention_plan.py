@@ -60,17 +60,27 @@ def build_attention_plan(
     """`spans` are (seq_id, first row, tokens); `records[seq]` its layers (pages already
     allocated for the new tokens); `starts[seq][layer]` its length before this step."""
     layers = len(next(iter(records.values())))
-    new_slots = torch.stack([
-        torch.cat([records[s][layer].slots(starts[s][layer], starts[s][layer] + n)
-                   for s, _, n in spans])
-        for layer in range(layers)
-    ])
+    if all(n == 1 for _, _, n in spans):  # decode: each new slot from its page, in Python
+        new_slots = torch.tensor([
+            [_slot(records[s][layer].pages, starts[s][layer], page_size) for s, _, _ in spans]
+            for layer in range(layers)], dtype=torch.int64)
+    else:
+        new_slots = torch.stack([
+            torch.cat([records[s][layer].slots(starts[s][layer], starts[s][layer] + n)
+                       for s, _, n in spans])
+            for layer in range(layers)
+        ])
     groups = []
     for decode in (True, False):
         chosen = [span for span in spans if (span[2] == 1) == decode]
         if chosen:
             groups.append(_group(chosen, records, starts, page_size, layers, decode))
     return AttentionPlan(new_slots.to(device), [_to(g, device) for g in groups], spans, starts)
+
+
+def _slot(pages: list[int], position: int, page_size: int) -> int:
+    """The slot of cache position `position` in a layer with `pages`."""
+    return pages[position // page_size] * page_size + position % page_size
 
 
 def _group(spans, records, starts, page_size, layers, decode) -> SpanGroup:

@@ -335,11 +335,14 @@ class PagedKVCache:
                 f"KV cache out of pages: this step needs {needed}, {self.pool.free_pages} free "
                 f"of {self.pool.num_pages}"
             )
-        for seq_id, n in counts.items():
-            for layer in self.sequences[seq_id].layers:
-                extra = math.ceil((layer.length + n) / self.config.page_size) - len(layer.pages)
-                if extra > 0:
-                    layer.add_pages(self.pool.allocate(extra))
+        growing = [(layer, extra) for seq_id, n in counts.items()
+                   for layer in self.sequences[seq_id].layers
+                   if (extra := math.ceil((layer.length + n) / self.config.page_size)
+                       - len(layer.pages)) > 0]
+        if growing:
+            for (layer, _), pages in zip(growing, self.pool.allocate_each(
+                    [extra for _, extra in growing])):
+                layer.add_pages(pages)
 
     # -- AttentionBackend ------------------------------------------------------------------
 
@@ -630,6 +633,8 @@ def next_stream_rows(seq: SequenceState, info: TokenInfo) -> torch.Tensor:
     """Metadata rows [len(info), META_COLUMNS] of the sequence's next stream tokens (stream
     index, frame group, modality, time, source, protected); advances its stream counters."""
     n = len(info)
+    if n == 1:  # a decode step's token: the same rows without a dozen small tensor ops
+        return _next_stream_row(seq, info)
     is_frame = info.modality == int(Modality.FRAME)
     prev_frame = torch.cat([
         torch.tensor([seq.last_frame_source is not None]), is_frame[:-1]
@@ -651,6 +656,21 @@ def next_stream_rows(seq: SequenceState, info: TokenInfo) -> torch.Tensor:
     seq.next_group = int(group[-1]) + 1 if n else seq.next_group
     seq.last_frame_source = int(info.source[-1]) if n and bool(is_frame[-1]) else None
     return rows
+
+
+def _next_stream_row(seq: SequenceState, info: TokenInfo) -> torch.Tensor:
+    """`next_stream_rows` of one token."""
+    modality, source = int(info.modality[0]), int(info.source[0])
+    is_frame = modality == int(Modality.FRAME)
+    continues = is_frame and seq.last_frame_source is not None and \
+        source == seq.last_frame_source
+    group = seq.next_group - 1 if continues else seq.next_group
+    row = torch.tensor([[seq.stream_pos, group, modality, float(info.timestamp[0]), source,
+                         float(bool(info.protected[0]))]], dtype=torch.float64)
+    seq.stream_pos += 1
+    seq.next_group = group + 1
+    seq.last_frame_source = source if is_frame else None
+    return row
 
 
 def forget_evicted_frames(seq: SequenceState) -> None:

@@ -48,18 +48,25 @@ class PagePool:
 
     def allocate(self, count: int) -> list[int]:
         """Take `count` pages off the free list, or raise CacheFullError taking none."""
-        if count > len(self._free):
+        return self.allocate_each([count])[0]
+
+    def allocate_each(self, counts: list[int]) -> list[list[int]]:
+        """Take `counts[i]` pages for each i, all or none (CacheFullError), zeroed in one
+        pass: no stale or never-written entry reaches a kernel through a new page."""
+        total = sum(counts)
+        if total > len(self._free):
             raise CacheFullError(
-                f"KV cache out of pages: {count} needed, {len(self._free)} free of "
+                f"KV cache out of pages: {total} needed, {len(self._free)} free of "
                 f"{self.num_pages}"
             )
-        pages = [self._free.pop() for _ in range(count)]
-        for page in pages:
+        taken = [[self._free.pop() for _ in range(count)] for count in counts]
+        fresh = [page for pages in taken for page in pages]
+        for page in fresh:
             self.refcount[page] = 1
             self.generation[page] += 1
-        if pages:  # no stale or never-written entries reach a kernel through a new page
-            self._kv.zero_pages(torch.tensor(pages, dtype=torch.int64))
-        return pages
+        if fresh:
+            self._kv.zero_pages(torch.tensor(fresh, dtype=torch.int64))
+        return taken
 
     def touch(self, pages: list[int]) -> None:
         """Mark pages as rewritten in place (stale for the prefix index)."""
