@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from streamgrok.bench.server_process import free_port
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.kv_group import KVGroup, KVParallelError
 from streamgrok.cache.kv_parallel import KVParallelCache
@@ -122,7 +122,7 @@ def run_ranks(world: int, build_model: Callable[[], Transformer], scenario: Stre
     Raises KVParallelError naming the ranks that failed."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_rank_main, daemon=True,
                              args=(rank, world, port, build_model, scenario, results,
                                    timeout_s, failure if rank == fail_rank else None, threads))
@@ -190,9 +190,3 @@ def _rank_main(rank: int, world: int, port: int, build_model, scenario: StreamSc
     finally:
         if group is not None:
             group.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

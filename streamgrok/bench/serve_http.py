@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import httpx
 from kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 from streamgrok.bench.http_load import RowResult, run_row
 from streamgrok.bench.llama_cpp_peer import PeerUnavailable
+from streamgrok.bench.server_process import free_port
 from streamgrok.bench.timing import measurement_env
 
 PEER_CONTEXT = 512  # llama-server's context per parallel slot: prompt + answer fit
@@ -86,12 +86,6 @@ class Server:
             except TimeoutError:
                 self.process.kill()
                 await self.process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def streamgrok_server(options: ServeBenchOptions) -> Server:

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import sys
 import time
 import urllib.request
 
 import psutil
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def serve_arguments(args) -> list[str]:
