@@ -56,15 +56,18 @@ def prefilled(model, cache: PagedKVCache, lengths: list[int]) -> None:
             model(ids, BatchMetadata.build([seq], [n]), cache)
 
 
-@pytest.mark.parametrize(("kv_dtype", "bias", "policy", "budget"), [
-    ("float32", False, "full", None),
-    ("int8", False, "h2o", 40),
-    ("bfloat16", True, "h2o", 200),
-    ("int8", True, "redundancy", 40),
+@pytest.mark.parametrize(("kv_dtype", "bias", "policy", "budget", "sequences"), [
+    ("float32", False, "full", None, 4),
+    ("int8", False, "h2o", 40, 4),
+    ("bfloat16", True, "h2o", 200, 4),
+    ("int8", True, "redundancy", 40, 4),
+    ("float32", False, "full", None, 17),  # a batch whose head the caller multiplies
 ])
-def test_native_paged_steps_equal_layer_by_layer_steps(kv_dtype, bias, policy, budget):
+def test_native_paged_steps_equal_layer_by_layer_steps(kv_dtype, bias, policy, budget,
+                                                        sequences):
     model = q4_model(bias)
-    lengths = [5, 21, 36, 50]  # sequence 1 extends sequence 0's pages
+    # sequence 1 extends sequence 0's pages
+    lengths = [5, 21, 36, 50, *(3 + 2 * i for i in range(sequences - 4))]
     native, reference = (paged_cache(model, kv_dtype, policy, budget) for _ in range(2))
     for cache in (native, reference):
         prefilled(model, cache, lengths)

@@ -7,6 +7,7 @@ eviction), so tables, lengths and query positions carry a layer dimension.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,8 +147,9 @@ def refresh_layer(plan: AttentionPlan, layer: int, records: dict[int, list[Layer
             torch.arange(p, p + n) for p, n in zip(past, group.counts)]).to(device)
 
 
-def decode_view(plan: AttentionPlan, kv: PagedKV, rotary_tables, page_size: int,
-                wants_mass: bool) -> PagedDecodeView | None:
+def decode_view(plan: AttentionPlan, kv: PagedKV,
+                rotary_tables: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                page_size: int, wants_mass: bool) -> PagedDecodeView | None:
     """The view of `plan` when it is one group of decode rows in batch order, else None;
     `rotary_tables(length)` gives cos/sin covering `length` positions."""
     if len(plan.groups) != 1 or not plan.groups[0].decode:

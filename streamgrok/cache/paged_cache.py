@@ -13,7 +13,6 @@ import torch
 from kernels.ops import KernelOps
 from streamgrok.cache.attention_plan import (
     AttentionPlan,
-    PagedDecodeView,
     SpanGroup,
     build_attention_plan,
     decode_view,
@@ -35,7 +34,7 @@ from streamgrok.cache.tokens import (
     LayerTokens,
 )
 from streamgrok.errors import CacheFullError
-from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.batch import BatchMetadata, PagedDecodeView
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.rotary import Rotary
 from streamgrok.stream_tokens import Modality, TokenInfo

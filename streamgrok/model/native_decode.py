@@ -109,27 +109,36 @@ class NativeDecodeStep:
         """Logits [batch, vocab] float32 of one decode step over the paged cache in `view`
         (whose pool it writes at the reserved slots), and the attention mass [L, B, keys]
         where the view wants it."""
-        embedded = model.embed(input_ids).float()
-        wide_head = self.wide_head_from is not None and len(input_ids) >= self.wide_head_from
+        embedded, weights, wide_head = self._inputs(model, input_ids)
         kv = view.kv
         out, mass = torch.ops.streamgrok_cpu.paged_decode_step(
-            embedded, self.body if wide_head else self.weights, self.biases, kv.k, kv.v,
-            kv.k_scale, kv.v_scale, view.new_slots, view.tables, view.lengths, view.cos,
-            view.sin, view.page_size, self.num_heads, self.num_kv_heads, self.eps,
-            view.wants_mass)
-        logits = model.output(out).float() if wide_head else out
-        return logits, (mass if view.wants_mass else None)
+            embedded, weights, self.biases, kv.k, kv.v, kv.k_scale, kv.v_scale, view.new_slots,
+            view.tables, view.lengths, view.cos, view.sin, view.page_size, self.num_heads,
+            self.num_kv_heads, self.eps, view.wants_mass)
+        return self._logits(model, out, wide_head), (mass if view.wants_mass else None)
 
     def __call__(self, model: Transformer, input_ids: torch.Tensor, view: DecodeView
                  ) -> torch.Tensor:
         """Logits [batch, vocab] float32 of one decode step of the batch in `view` (whose
         stores it writes at the new positions, as the compiled step does)."""
-        embedded = model.embed(input_ids).float()
-        wide_head = self.wide_head_from is not None and len(input_ids) >= self.wide_head_from
+        embedded, weights, wide_head = self._inputs(model, input_ids)
         out = torch.ops.streamgrok_cpu.decode_step(
-            embedded, self.body if wide_head else self.weights, self.biases, view.keys,
-            view.values, view.key_scales or [], view.value_scales or [], view.positions,
-            view.cos.float(), view.sin.float(), self.num_heads, self.num_kv_heads, self.eps)
+            embedded, weights, self.biases, view.keys, view.values, view.key_scales or [],
+            view.value_scales or [], view.positions, view.cos.float(), view.sin.float(),
+            self.num_heads, self.num_kv_heads, self.eps)
+        return self._logits(model, out, wide_head)
+
+    def _inputs(self, model: Transformer, input_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+        """The step's embeddings, the weights the op takes, and whether the head is left to
+        the caller (a batch of `wide_head_from` rows or more: the op returns the normed
+        hidden state)."""
+        wide_head = self.wide_head_from is not None and len(input_ids) >= self.wide_head_from
+        return (model.embed(input_ids).float(), self.body if wide_head else self.weights,
+                wide_head)
+
+    @staticmethod
+    def _logits(model: Transformer, out: torch.Tensor, wide_head: bool) -> torch.Tensor:
         return model.output(out).float() if wide_head else out
 
 
