@@ -1,5 +1,6 @@
 """The load governor driven by a real server's engine events: answers asked, cancelled at
-their first token, finished; a question nobody is ahead of is always admitted."""
+their first token, finished; a live session's question is never refused for load, and a
+request nobody is ahead of is always admitted."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import time
 from contextlib import asynccontextmanager
 
+import httpx2 as httpx
 from prometheus_client import generate_latest
 from test_server import PIPELINE, recv_until, start, url
 from websockets.asyncio.client import connect
@@ -51,26 +53,56 @@ async def test_an_idle_session_is_answered_after_the_slowest_reading(tiny_loaded
         assert done["query_id"] == "idle" and done["finish_reason"] in ("stop", "length")
 
 
-async def test_refusals_are_counted_by_rule_in_metrics(tiny_loaded):
-    """A question refused while another is in flight names its rule and values, and
-    /metrics counts it under that rule."""
+async def test_a_live_question_while_the_engine_is_behind_is_answered_shorter(tiny_loaded):
+    """A session admitted is a session served: a question asked while another is in flight
+    and the measured rate says it could not finish in time is queued anyway, its answer
+    shortened to the floor, and /metrics counts the shortening under its rule."""
     async with after_the_slowest_reading(tiny_loaded) as (srv, ws):
         async with srv.engine.paused():  # the first answer cannot finish yet
             await ws.send(json.dumps({"type": "query", "id": "first", "text": "One?"}))
             while not any("first" in c.answers for c in srv.connections):
                 await asyncio.sleep(0.01)
             await ws.send(json.dumps({"type": "query", "id": "second", "text": "Two?"}))
-            error, _ = await recv_until(ws, "error")
-        assert error["code"] == "busy" and error["message_id"] == "second"
-        assert "(rule: answer_deadline)" in error["message"]
+            while not any("second" in c.answers for c in srv.connections):
+                await asyncio.sleep(0.01)
+        answered = {}
+        while len(answered) < 2:
+            done, seen = await recv_until(ws, "response.done")
+            assert not [m for m in seen if m["type"] == "error"], seen
+            answered[done["query_id"]] = done
+        floor = srv.governor.limits.min_answer_tokens
+        assert answered["second"]["finish_reason"] in ("stop", "length")
+        assert answered["second"]["tokens"] <= floor < 64
+        text = generate_latest(srv.metrics.registry).decode()
+        assert 'streamgrok_answers_shortened_total{reason="answer_deadline"} 1.0' in text
+        assert "streamgrok_questions_refused_total{" not in text
+        assert srv.answers_shortened.burst == 1
+        await ws.send(json.dumps({"type": "query", "id": "third", "text": "Three?"}))
+        await recv_until(ws, "response.done")  # nobody ahead: full length, the burst ends
+        assert srv.answers_shortened.burst == 0
+
+
+async def test_a_stateless_request_while_the_engine_is_behind_is_refused_by_rule(tiny_loaded):
+    """An HTTP request is a session of one question: admitted or refused as it arrives. One
+    that could not finish in time gets 429 naming its rule, counted in /metrics."""
+    async with after_the_slowest_reading(tiny_loaded) as (srv, ws):
+        async with srv.engine.paused():
+            await ws.send(json.dumps({"type": "query", "id": "first", "text": "One?"}))
+            while not any("first" in c.answers for c in srv.connections):
+                await asyncio.sleep(0.01)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}",
+                                         timeout=30) as http:
+                reply = await http.post("/v1/chat/completions", json={
+                    "model": "tiny", "max_tokens": 16,
+                    "messages": [{"role": "user", "content": "Two?"}]})
+        assert reply.status_code == 429, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "busy" and "(rule: answer_deadline)" in error["message"]
         assert "tokens of answers in flight at 0 tokens/s" in error["message"]
         await recv_until(ws, "response.done")
         text = generate_latest(srv.metrics.registry).decode()
         assert 'streamgrok_questions_refused_total{reason="answer_deadline"} 1.0' in text
         assert srv.question_refusals.burst == 1
-        await ws.send(json.dumps({"type": "query", "id": "third", "text": "Three?"}))
-        await recv_until(ws, "response.done")  # nobody ahead: admitted, the burst ends
-        assert srv.question_refusals.burst == 0
 
 
 async def test_answers_cancelled_at_their_first_token_never_leave_the_server_refusing(

@@ -55,22 +55,45 @@ def test_stale_frames_count_as_overload():
 
 
 def test_many_sessions_at_once_are_admitted_up_to_the_learned_cost_then_refused():
-    """One session's media was measured taking 12% of the CPU: of 20 clients connecting
-    together, 7 fit, the 8th and 9th degrade live sampling, and at its lowest the rest get
-    busy."""
+    """One session's media was measured taking 12% of the CPU at the full rate: of 40
+    clients connecting together, 7 fit at the full rate; halving the rate halves what each
+    costs, so up to 15 fit at half and 30 at a quarter, and the rest get busy."""
     gov = governor()
     gov.tick(reading(cpu=0.12, media_cpu=0.12, sessions=1))
-    admitted, refused = 0, []
-    for _ in range(20):
+    admitted, refused, scales = 0, [], []
+    for _ in range(40):
         why = gov.admit(admitted)
         if why:
             refused.append(why)
         else:
             admitted += 1
-    assert admitted == 9 and len(refused) == 11
-    assert "of the CPU" in str(refused[0]) and gov.degradation.fps_scale == 0.25
-    assert refused[0].rule == "session_cpu"
+            scales.append(gov.degradation.fps_scale)
+    assert admitted == 30 and len(refused) == 10
+    assert scales.count(1.0) == 7 and scales.count(0.5) == 8 and scales.count(0.25) == 15
+    assert "of the CPU" in str(refused[0]) and refused[0].rule == "session_cpu"
     assert gov.admit(3) is None  # sessions that leave free their share at once
+
+
+def test_the_cost_learned_at_a_lower_rate_is_a_cost_at_the_full_rate():
+    """Media measured at a quarter of the rate costs four times as much at the full one."""
+    gov = governor()
+    gov.degradation.fps_scale = 0.25
+    gov.tick(reading(cpu=0.2, media_cpu=0.2, ttft_s=0.1, sessions=10))
+    assert abs(gov.session_cpu - 0.08) < 1e-9
+
+
+def test_a_live_answer_is_shortened_to_what_fits_never_refused():
+    gov = governor()
+    assert gov.answer_tokens(10_000, 64) == (64, None)  # rate unknown: full length
+    gov.tick(reading(sessions=8, decode_rate=50.0), now=100.0)
+    assert gov.answer_tokens(900, 64, now=101.0) == (64, None)  # 19.3 s: fits
+    tokens, why = gov.answer_tokens(950, 64, now=101.0)  # 1000 fit in 20 s: 50 are left
+    assert tokens == 50 and why.rule == "answer_deadline" and "shortened to 50" in str(why)
+    tokens, why = gov.answer_tokens(5000, 64, now=101.0)  # far behind: the floor
+    assert tokens == gov.limits.min_answer_tokens and why is not None
+    assert gov.answer_tokens(5000, 16, now=101.0) == (16, None)  # already under the floor
+    gov.tick(reading(sessions=1, decode_rate=0.01), now=102.0)
+    assert gov.answer_tokens(0, 1024, 0.0, now=103.0) == (1024, None)  # nobody ahead
 
 
 def test_recent_first_tokens_are_a_sliding_window():

@@ -442,7 +442,9 @@ async def test_busy_past_capacity_and_a_session_that_leaves_frees_it(tiny_loaded
         await srv.stop()
 
 
-async def test_questions_get_busy_while_the_engine_is_behind(tiny_loaded):
+async def test_a_live_question_is_queued_while_the_engine_is_behind(tiny_loaded):
+    """A question of an admitted session is never refused for load: asked while another
+    has waited 10 s for its first token, it is queued, and both are answered."""
     config = ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
                           load_tick_s=3600)  # the governor on, its measurements far away
     srv = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512, memory_gib=0.05))
@@ -459,14 +461,12 @@ async def test_questions_get_busy_while_the_engine_is_behind(tiny_loaded):
                     for answer in connection.answers.values():
                         answer.metrics.asked_at -= 10.0
                 await other.send(json.dumps({"type": "query", "id": "new", "text": "me?"}))
-                error, _ = await recv_until(other, "error")
-                assert error["code"] == "busy" and error["message_id"] == "new"
-                assert "waited 10" in error["message"]
-            done, _ = await recv_until(ws, "response.done")  # the queued one is answered
-            assert done["query_id"] == "old" and done["finish_reason"] != "error"
-            await other.send(json.dumps({"type": "query", "id": "later", "text": "now?"}))
-            done, _ = await recv_until(other, "response.done")  # caught up: queued again
-            assert done["query_id"] == "later"
+                while not any("new" in c.answers for c in srv.connections):
+                    await asyncio.sleep(0.01)
+            for client, query in ((ws, "old"), (other, "new")):
+                done, seen = await recv_until(client, "response.done")
+                assert not [m for m in seen if m["type"] == "error"], seen
+                assert done["query_id"] == query and done["finish_reason"] != "error"
     finally:
         await srv.stop()
 

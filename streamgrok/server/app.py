@@ -61,6 +61,7 @@ class ServerConfig:
     max_text_chars: int = 32_768  # input.text and query text (the engine bounds tokens too)
     max_inflight_queries: int = 4
     max_media_per_second: int = 30
+    media_lane: int = 32  # a client's media messages queued apart from its control messages
     idle_timeout_s: float = 300.0
     outbound_queue: int = 256
     stats_interval_s: float = 2.0
@@ -125,6 +126,8 @@ class StreamgrokServer:
         self.governor = LoadGovernor(self.resources.degradation, config.load_limits)
         self.session_refusals = RefusalLog("session", self.metrics.refused)
         self.question_refusals = RefusalLog("question", self.metrics.refused_questions)
+        self.answers_shortened = RefusalLog("answer", self.metrics.shortened_answers,
+                                            "shortened", "full length")
         self.cpu = CpuMeter()
         self._governing: asyncio.Task | None = None
         self.closed_drops: Counter = Counter()  # what finished sessions dropped
@@ -298,8 +301,9 @@ class StreamgrokServer:
         return sum(a.remaining_tokens for c in self.connections for a in c.answers.values())
 
     def question_admission(self, max_tokens: int) -> Refusal | None:
-        """Why a new question (of up to `max_tokens`) is refused now (`busy`), or None to
-        queue it; counted and logged (`question_refusals`) either way."""
+        """Why a stateless HTTP request (of up to `max_tokens`) is refused now (`busy`), or
+        None to queue it; counted and logged (`question_refusals`) either way. A live
+        session's questions are never refused for load (see `answer_length`)."""
         refused = None
         if self.config.load_tick_s is not None:  # the governor is on
             now = time.monotonic()
@@ -310,6 +314,20 @@ class StreamgrokServer:
         else:
             self.question_refusals.refused(refused)
         return refused
+
+    def answer_length(self, max_tokens: int) -> int:
+        """How long a live session's answer may be now: `max_tokens`, or shorter while the
+        engine is behind (counted by rule in `/metrics` and logged once per burst)."""
+        if self.config.load_tick_s is None:  # the governor is off
+            return max_tokens
+        now = time.monotonic()
+        tokens, shortened = self.governor.answer_tokens(self.backlog_tokens(), max_tokens,
+                                                        self.oldest_wait(now), now)
+        if shortened is None:
+            self.answers_shortened.admitted()
+        else:
+            self.answers_shortened.refused(shortened)
+        return tokens
 
     async def stop(self) -> None:
         """Close every connection and stop the engine and media workers (idempotent)."""

@@ -27,6 +27,7 @@ from streamgrok.pipeline.events import (
 from streamgrok.pipeline.options import OptionError
 from streamgrok.pipeline.pipeline import PipelineRunner
 from streamgrok.server.asgi_socket import AsgiSocket, ClientGone
+from streamgrok.server.media_lane import MediaLane
 from streamgrok.server.protocol import ProtocolError, event, parse_binary, parse_text
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class ClientConnection:
         self.queries_asked = 0
         self.frame_index = 0
         self.media_times: deque[float] = deque()
+        self.media_lane = MediaLane(self.config.media_lane)  # media apart from control
         self.audio_resampler = PcmResampler(AUDIO_RATE)  # `audio.format` sets another rate
         self.rate_limited = 0  # media messages dropped over the per-second limit
         self.rate_limit_reported = float("-inf")
@@ -64,6 +66,7 @@ class ClientConnection:
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._writer())
+        media = asyncio.create_task(self._media_loop())
         try:
             while True:
                 try:
@@ -76,6 +79,7 @@ class ClientConnection:
             pass
         finally:
             self.closed = True
+            media.cancel()
             await self._end_session()
             writer.cancel()
 
@@ -105,22 +109,29 @@ class ClientConnection:
                 raise ProtocolError("too_large", f"message of {len(raw)} {unit} exceeds "
                                     f"{self.config.max_message_bytes}")
             if isinstance(raw, bytes):
-                await self._handle_media(parse_binary(raw))
+                await self._accept_media(parse_binary(raw))
             else:
                 message = parse_text(raw)
                 message_id = message.get("id")
                 await self._handle_control(message)
-        except ProtocolError as exc:
-            self.error(exc.code, str(exc), exc.message_id or message_id)
-        except OptionError as exc:
-            self.error("bad_option", str(exc), message_id)
-        except RequestTooLarge as exc:
-            self.error("too_large", str(exc), message_id)
-        except (StreamgrokError, ValueError) as exc:
-            self.error("bad_request", str(exc), message_id)
-        except Exception as exc:  # a bug must not take the connection down
-            log.exception("handling a client message failed")
-            self.error("internal", f"internal error: {type(exc).__name__}", message_id)
+        except Exception as exc:
+            self._report(exc, message_id)
+
+    def _report(self, exc: Exception, message_id: Any) -> None:
+        """A message's failure as the client's `error` event (a bug is logged, and the
+        connection carries on)."""
+        match exc:
+            case ProtocolError():
+                self.error(exc.code, str(exc), exc.message_id or message_id)
+            case OptionError():
+                self.error("bad_option", str(exc), message_id)
+            case RequestTooLarge():
+                self.error("too_large", str(exc), message_id)
+            case StreamgrokError() | ValueError():
+                self.error("bad_request", str(exc), message_id)
+            case _:
+                log.error("handling a client message failed", exc_info=exc)
+                self.error("internal", f"internal error: {type(exc).__name__}", message_id)
 
     # -- control ---------------------------------------------------------------------------
 
@@ -223,9 +234,8 @@ class ClientConnection:
             raise ProtocolError("too_many_queries",
                                 f"{len(self.answers)} queries in flight (max "
                                 f"{self.config.max_inflight_queries})", query_id)
-        refused = self.server.question_admission(self.runner.pipeline.sampling.max_tokens)
-        if refused is not None:
-            raise ProtocolError("busy", str(refused), query_id)
+        limit = self.runner.pipeline.sampling.max_tokens
+        max_tokens = self.server.answer_length(min(max_tokens or limit, limit))
         self.queries_asked += 1
         query_id = query_id or f"q{self.queries_asked}"
         if listener is not None:
@@ -246,7 +256,9 @@ class ClientConnection:
 
     # -- media -----------------------------------------------------------------------------
 
-    async def _handle_media(self, media) -> None:
+    async def _accept_media(self, media) -> None:
+        """A media message joins this client's media lane (after the per-second limit),
+        so the control messages behind it are handled at once."""
         if self.runner is None:
             raise ProtocolError("no_session", "media before session.start")
         now = time.monotonic()
@@ -261,6 +273,20 @@ class ClientConnection:
                                 "media messages per second: messages are dropped "
                                 f"({self.rate_limited} so far)")
         self.media_times.append(now)
+        await self.media_lane.put(media)
+
+    async def _media_loop(self) -> None:
+        """Decode and feed the lane's media in order, for as long as the connection lives."""
+        while True:
+            media = await self.media_lane.get()
+            try:
+                await self._handle_media(media)
+            except Exception as exc:
+                self._report(exc, None)
+
+    async def _handle_media(self, media) -> None:
+        if self.runner is None:  # the session ended while the message waited
+            return
         if media.kind == "video.frame":
             pool = self.server.resources.media_pool
             try:
@@ -426,6 +452,7 @@ class ClientConnection:
             "frames_stale": (ingest.stale_dropped if ingest else 0) + engine.get("stale", 0),
             "frames_full": engine.get("full", 0),
             "rate_limited": self.rate_limited,
+            "frames_backlog": self.media_lane.dropped_frames,
             "notes_superseded": engine.get("superseded", 0),
             "outbound": self.dropped_outbound,
         }

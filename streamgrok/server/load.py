@@ -1,28 +1,34 @@
-"""The server's sustainable load: measured, then enforced by thinning live media and refusing
-new sessions.
+"""The server's sustainable load: measured, then enforced by thinning live media, shortening
+answers, and refusing new sessions.
 
-Every tick the governor reads what the server measures: the CPU the server process and its
-media workers use against the machine's cores, the time to first token of recent answers (and
-how long the oldest question has waited for one), and the share of live frames that went stale
-before they could be processed. Over the limits, live sessions degrade first: their sampling
-rate halves (down to `min_fps_scale`) and the costly detectors run that much less often. Well
-under them for a while, the rate doubles back. Still over at the lowest rate, new sessions are
-refused `busy`.
+A session admitted is a session served: load is refused at `session.start`, never at a live
+session's question. Every tick the governor reads what the server measures: the CPU the
+server process and its media workers use against the machine's cores, the time to first token
+of recent answers (and how long the oldest question has waited for one), and the share of
+live frames that went stale before they could be processed. Over the limits, live sessions
+degrade first: their sampling rate halves (down to `min_fps_scale`) and the costly detectors
+run that much less often. Well under them for a while, the rate doubles back. Still over at
+the lowest rate, new sessions are refused `busy`.
 
 Admission also looks ahead. From the ticks with sessions it learns the CPU one more session
 adds: its media work (frame decoding and detectors, in the media worker processes) adds up per
-session, a moving average of the workers' CPU per session. A session that would push the CPU
-past its limit first degrades live sampling, and at the lowest rate is refused, also when many
-clients connect at once. The engine's time does not add up that way (the answers of many
-sessions decode in one batch), so it is guarded at the question instead: while the oldest
-question has waited longer than the first-token target, or the answers in flight would take
-longer than the answer deadline to finish at the decode rate measured under load, new
-questions get `busy` rather than a place in a queue they cannot leave in time. The decode rate
-that rule divides by is measured from the engine's own decode steps (tokens decoded over the
-seconds those steps took), never from wall time, so idle time or answers cancelled at their
-first token cannot make the engine look slow; a reading older than `rate_ttl_s` is forgotten,
-and a question with nobody ahead of it (no answer in flight, no question waiting) is always
-admitted. A session that leaves frees its share at once.
+session and scales with the sampling rate, so the governor learns the workers' CPU per session
+at the full rate (what it measured, divided by the rate it measured at). A session that would
+push the CPU past its limit at the current rate first halves live sampling (admitted, and
+projected again at the new rate); at the lowest rate it is refused, also when many clients
+connect at once. The engine's time does not add up that way (the answers of many sessions
+decode in one batch), so it is guarded at the question instead, by its length: when the
+tokens the answers in flight may still generate, plus this answer's, would take longer than
+the answer deadline at the decode rate measured under load, a live session's question is
+still queued but its answer is shortened to what fits (not below `min_answer_tokens`). The
+decode rate is measured from the engine's own decode steps (tokens decoded over the seconds
+those steps took), never from wall time, so idle time or answers cancelled at their first
+token cannot make the engine look slow; a reading older than `rate_ttl_s` is forgotten.
+
+A stateless HTTP request is a session of one question: it is admitted or refused `busy` as
+it arrives, by the same rules (the oldest question's wait for its first token past the
+target, or the answer deadline), and a request with nobody ahead of it (no answer in flight,
+no question waiting) is always admitted. A session that leaves frees its share at once.
 
 Every refusal is a `Refusal`: the rule that refused and a message with the measured values.
 """
@@ -53,6 +59,7 @@ class LoadLimits:
     calm_ticks: int = 3  # calm ticks in a row before the rate doubles back
     ttft_window_s: float = 20.0
     rate_ttl_s: float = 30.0  # a decode-rate reading older than this is forgotten
+    min_answer_tokens: int = 32  # a live session's answer is never shortened below this
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class LoadGovernor:
     limits: LoadLimits = field(default_factory=LoadLimits)
     last: LoadReading | None = None
     refusing: str = ""  # why new sessions are refused now, empty when admitted
-    session_cpu: float | None = None  # the share of the cores one more session adds
+    session_cpu: float | None = None  # the share of the cores a session adds at full rate
     decode_rate: float | None = None  # tokens/s of the engine's decode steps (average)
     decode_rate_at: float = float("-inf")  # when decode_rate was last measured
     _calm: int = 0
@@ -115,7 +122,9 @@ class LoadGovernor:
             self.decode_rate, self.decode_rate_at = None, float("-inf")
             self.degradation.fps_scale, self.degradation.reason = 1.0, ""
             return
-        self.session_cpu = _average(self.session_cpu, reading.media_cpu / reading.sessions)
+        # measured at the rate the sessions ran at during the tick: per session at full rate
+        self.session_cpu = _average(self.session_cpu, reading.media_cpu / reading.sessions
+                                    / self.degradation.fps_scale)
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
@@ -142,17 +151,22 @@ class LoadGovernor:
     def admit(self, sessions: int) -> Refusal | None:
         """Why one more session (beside `sessions`) must be refused now, None to admit it.
         A session that would push the learned CPU cost past its limit first degrades live
-        sampling (admitted); at the lowest rate it is refused."""
+        sampling (admitted when the cost fits at the lower rate); at the lowest rate it is
+        refused."""
         if self.refusing:
             return Refusal("overload", self.refusing)
         cost, last = self.session_cpu, self.last
         if cost is None or last is None:
             return None
-        projected = last.cpu + (sessions + 1 - last.sessions) * cost
-        if projected <= self.limits.cpu_high:
-            return None
-        why = f"{sessions + 1} sessions would need {projected:.0%} of the CPU"
-        return None if self._halve_rate(why) else Refusal("session_cpu", why)
+        while True:
+            # the media workers' CPU at the current rate for every session, plus the rest
+            scale = self.degradation.fps_scale
+            projected = last.cpu - last.media_cpu + (sessions + 1) * cost * scale
+            if projected <= self.limits.cpu_high:
+                return None
+            why = f"{sessions + 1} sessions would need {projected:.0%} of the CPU"
+            if not self._halve_rate(why):
+                return Refusal("session_cpu", why)
 
     def _halve_rate(self, why: str) -> bool:
         """Halve live sampling for `why`, not below the floor; False when already there."""
@@ -164,13 +178,13 @@ class LoadGovernor:
 
     def admit_question(self, oldest_wait_s: float, backlog_tokens: int = 0,
                        max_tokens: int = 0, now: float | None = None) -> Refusal | None:
-        """Why a new question must be refused now (None: queue it). A question with nobody
-        ahead of it (no answer in flight: `backlog_tokens` 0, no question waiting:
-        `oldest_wait_s` 0) is always admitted. Otherwise the engine is behind when the oldest
-        question still waiting for its first token has waited past the first-token target,
-        or when the tokens the answers in flight may still generate (`backlog_tokens`), plus
-        this answer's `max_tokens`, would take longer than the answer deadline at the decode
-        rate measured within the last `rate_ttl_s`."""
+        """Why a stateless request (of up to `max_tokens`) must be refused now (None: queue
+        it). A request with nobody ahead of it (no answer in flight: `backlog_tokens` 0, no
+        question waiting: `oldest_wait_s` 0) is always admitted. Otherwise the engine is
+        behind when the oldest question still waiting for its first token has waited past
+        the first-token target, or when the tokens the answers in flight may still generate
+        (`backlog_tokens`), plus this answer's `max_tokens`, would take longer than the
+        answer deadline at the decode rate measured within the last `rate_ttl_s`."""
         if backlog_tokens <= 0 and oldest_wait_s <= 0:
             return None
         limits = self.limits
@@ -185,6 +199,28 @@ class LoadGovernor:
                            f"at {rate:.0f} tokens/s would keep a new answer past "
                            f"{limits.answer_deadline_s:g} s")
         return None
+
+    def answer_tokens(self, backlog_tokens: int, max_tokens: int, oldest_wait_s: float = 0.0,
+                      now: float | None = None) -> tuple[int, Refusal | None]:
+        """The length a live session's answer may have now: `max_tokens`, or, when the
+        answers in flight (`backlog_tokens` still to generate) and this one would run past the
+        answer deadline at the measured decode rate, what fits before it (not below
+        `min_answer_tokens`), with the rule that shortened it. An answer with nobody ahead of
+        it (no answer in flight, no question waiting: `oldest_wait_s` 0) keeps its length.
+        Never a refusal: an admitted session's question is always queued."""
+        if backlog_tokens <= 0 and oldest_wait_s <= 0:
+            return max_tokens, None
+        rate = self.current_decode_rate(time.monotonic() if now is None else now)
+        limits = self.limits
+        if not rate or (backlog_tokens + max_tokens) / rate <= limits.answer_deadline_s:
+            return max_tokens, None
+        fits = int(limits.answer_deadline_s * rate) - backlog_tokens
+        tokens = min(max_tokens, max(limits.min_answer_tokens, fits))
+        if tokens >= max_tokens:
+            return max_tokens, None
+        return tokens, Refusal("answer_deadline",
+                               f"{backlog_tokens} tokens of answers in flight at {rate:.0f} "
+                               f"tokens/s: this answer shortened to {tokens} tokens")
 
     def _overload(self, reading: LoadReading) -> str:
         limits = self.limits

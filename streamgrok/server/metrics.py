@@ -39,8 +39,12 @@ class ServerMetrics:
         self.refused = Counter("streamgrok_sessions_refused", "Sessions refused busy, by the "
                                "rule that refused them", ["reason"], registry=r)
         self.refused_questions = Counter("streamgrok_questions_refused",
-                                         "Questions refused busy (the engine was behind), by "
-                                         "the rule that refused them", ["reason"], registry=r)
+                                         "HTTP requests refused busy (the engine was behind), "
+                                         "by the rule that refused them", ["reason"],
+                                         registry=r)
+        self.shortened_answers = Counter("streamgrok_answers_shortened",
+                                         "Live sessions' answers shortened under load (the "
+                                         "engine was behind), by rule", ["reason"], registry=r)
         self.outbound_dropped = Counter("streamgrok_outbound_dropped",
                                         "Messages dropped for slow clients", registry=r)
         self.degraded = Gauge("streamgrok_live_fps_scale", "Live sampling rate over the "
