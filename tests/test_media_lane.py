@@ -9,7 +9,8 @@ import threading
 from dataclasses import dataclass
 
 import pytest
-from test_server import jpeg, recv_until, server, start, url  # noqa: F401 (fixture)
+from test_server import jpeg, recv_until, start, url
+from test_server import server as server_fixture  # noqa: F401 (the `server` fixture)
 from websockets.asyncio.client import connect
 
 from streamgrok.server.media_lane import MediaLane
