@@ -9,10 +9,11 @@ import threading
 from dataclasses import dataclass
 
 import pytest
-from test_server import jpeg, recv_until, start, url
-from test_server import server as server_fixture  # noqa: F401 (the `server` fixture)
+from test_server import PIPELINE, jpeg, recv_until, start, url
 from websockets.asyncio.client import connect
 
+from streamgrok.cache.config import CacheConfig
+from streamgrok.server.app import ServerConfig, StreamgrokServer
 from streamgrok.server.media_lane import MediaLane
 from streamgrok.server.protocol import pack_media
 
@@ -50,10 +51,21 @@ def test_a_lane_needs_room():
         MediaLane(0)
 
 
-async def test_a_question_is_answered_while_the_clients_frames_wait_for_a_worker(server):
+@pytest.fixture
+async def live_server(tiny_loaded):
+    config = ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
+                          load_tick_s=None)
+    srv = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512,
+                                                            memory_gib=0.05))
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+async def test_a_question_is_answered_while_the_clients_frames_wait_for_a_worker(live_server):
     """Every media worker is stuck on this client's first frame; the frames behind it and
     the audio queue up, and the question sent after them is answered all the same."""
-    pool = server.resources.media_pool
+    pool = live_server.resources.media_pool
     release, entered = threading.Event(), threading.Event()
     decode = pool.decode_image
 
@@ -64,7 +76,7 @@ async def test_a_question_is_answered_while_the_clients_frames_wait_for_a_worker
 
     pool.decode_image = stuck
     try:
-        async with connect(url(server)) as ws:
+        async with connect(url(live_server)) as ws:
             await start(ws)
             frame = jpeg()
             for i in range(6):
