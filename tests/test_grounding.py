@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from streamgrok.media.items import AudioChunk, Note, VideoFrame
+from streamgrok.media.native_pool import NativeMediaPool
 from streamgrok.media.native_worker import Detections
 from streamgrok.media.observers import FrameObserver
 from streamgrok.media.samples import Scene, draw_caption, draw_events, photo, speak
@@ -152,16 +153,21 @@ def test_people_are_events_with_counts_and_nothing_repeats():
 
 @needs_tesseract
 def test_text_on_screen_is_read_once_and_its_end_is_reported():
-    observer = FrameObserver(ScriptedDetectors([Detections()]))
+    """Read as the server reads it: by Tesseract, run by a media worker process."""
+    pool = NativeMediaPool(workers=1)
+    observer = FrameObserver(pool)
     plain = photo(None, 320, 240)
     sign = plain.copy()
     draw_caption(sign, "OPEN 24 HOURS")
     frames = [plain, sign, sign, plain]
     notes = []
-    for t, image in enumerate(frames):
-        frame = VideoFrame(image, t * 5.0, t)
-        frame.scene_cut = t > 0 and not np.array_equal(image, frames[t - 1])
-        notes.append(observer.observe(frame))
+    try:
+        for t, image in enumerate(frames):
+            frame = VideoFrame(image, t * 5.0, t)
+            frame.scene_cut = t > 0 and not np.array_equal(image, frames[t - 1])
+            notes.append(observer.observe(frame))
+    finally:
+        pool.close()
     assert notes[1] is not None and 'text on screen: "OPEN 24 HOURS"' in notes[1].text
     assert notes[2] is None
     assert "the text on screen is gone" in notes[3].text

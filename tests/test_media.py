@@ -267,6 +267,9 @@ class CountingDetectors:
         self.calls += 1
         return Detections(faces=1)
 
+    def read_text(self, image):
+        return ""
+
 
 def test_observer_reuses_the_last_counts_between_detections():
     detectors = CountingDetectors()

@@ -42,9 +42,10 @@ class PoolStats:
 
 
 def worker_env() -> dict[str, str]:
-    """The environment of a media worker process: this streamgrok importable, one thread."""
+    """The environment of a media worker process, and of the Tesseract runs it starts: this
+    streamgrok importable, one thread each (the cores belong to the engine)."""
     path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "OMP_THREAD_LIMIT": "1", "PYTHONPATH": path}
 
 
 class _Worker:
@@ -122,6 +123,13 @@ class NativeMediaPool:
         header, _ = self._call({"op": "detect", "shape": list(image.shape), "faces": faces,
                                 "people": people, "cats": cats}, image.tobytes())
         return Detections(int(header["faces"]), int(header["people"]), int(header["cats"]))
+
+    def read_text(self, image: np.ndarray) -> str:
+        """The confident words on screen in an RGB image (Tesseract, one thread, run by a
+        worker), or ""."""
+        image = np.ascontiguousarray(image, dtype=np.uint8)
+        header, _ = self._call({"op": "read_text", "shape": list(image.shape)}, image.tobytes())
+        return str(header["text"])
 
     def crash_one_worker(self) -> None:
         """Fault injection: make a worker abort as a native crash would (tests, soak)."""

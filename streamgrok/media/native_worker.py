@@ -93,6 +93,15 @@ class Detectors:
             cv2.data.haarcascades + "haarcascade_frontalcatface_extended.xml")
         self.hog = cv2.HOGDescriptor()
         self.hog.setSVMDetector(cv2.HOGDescriptor_getDefaultPeopleDetector())
+        self.reader = None  # Tesseract, set up at the first text read
+
+    def read_text(self, image: np.ndarray) -> str:
+        """The confident words on screen in an RGB image (`TextReader`), or ""."""
+        if self.reader is None:
+            from streamgrok.media.text_reader import TextReader
+
+            self.reader = TextReader()
+        return self.reader.read(image)
 
     def detect(self, image: np.ndarray, faces: bool, people: bool,
                cats: bool = False) -> Detections:
@@ -126,6 +135,9 @@ def handle(request: dict, payload: bytes, detectors: Detectors) -> tuple[dict, b
         found = detectors.detect(image, request["faces"], request["people"],
                                  request.get("cats", False))
         return {"faces": found.faces, "people": found.people, "cats": found.cats}, b""
+    if op == "read_text":
+        image = np.frombuffer(payload, dtype=np.uint8).reshape(request["shape"])
+        return {"text": detectors.read_text(image)}, b""
     if op == "abort":  # fault injection for tests: die the way a native crash does
         import os
 

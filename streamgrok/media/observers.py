@@ -23,11 +23,14 @@ from streamgrok.media.tracking import MotionTracker
 
 
 class FrameDetectors(Protocol):
-    """Counts faces, people and cat faces in an RGB frame: `native_worker.Detectors` in this
-    process, or a `NativeMediaPool` that runs them in worker processes."""
+    """Counts faces, people and cat faces and reads text in an RGB frame:
+    `native_worker.Detectors` in this process, or a `NativeMediaPool` that runs them in
+    worker processes."""
 
     def detect(self, image: np.ndarray, faces: bool, people: bool,
                cats: bool = False) -> Detections: ...
+
+    def read_text(self, image: np.ndarray) -> str: ...
 
 
 @dataclass
@@ -84,9 +87,7 @@ class FrameObserver:
         self.detectors = detectors or Detectors()
         self.find = {"faces": faces, "people": people, "cats": cats}
         self.colours = colours
-        if text is None:
-            text = TextReader.available()
-        self.reader = TextReader() if text else None
+        self.reads_text = TextReader.available() if text is None else text
         self.width = analysis_width
         self.schedule = schedule or DetectionSchedule()
         self.text_schedule = text_schedule or DetectionSchedule(3.0, 15.0, motion=0.02)
@@ -123,7 +124,7 @@ class FrameObserver:
             events += [(line, "motion") for line in moved]
             tags.add("motion")
         self.text_schedule.stretch = self.schedule.stretch
-        if self.reader is not None and \
+        if self.reads_text and \
                 self.text_schedule.due(frame.pts, self._last_text_read, motion, cut):
             self._last_text_read = frame.pts
             self._text_events(image, events, tags)
@@ -171,7 +172,7 @@ class FrameObserver:
 
     def _text_events(self, image: np.ndarray, events: list[tuple[str, str]],
                      tags: set[str]) -> None:
-        text = self.reader.read(image)
+        text = self.detectors.read_text(image)
         if same_words(text, self._text):
             return
         if text:

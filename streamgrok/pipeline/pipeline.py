@@ -112,6 +112,7 @@ class PipelineRunner:
         self.ingest: Ingest | None = None
         self._answers: list[asyncio.Task] = []
         self.notes = NoteLog()
+        self._notes_in_stream = True  # set by `start` (see `notes_in_stream`)
         self.frame_index = FrameIndex()  # CLIP embeddings of the frames, when CLIP runs
 
     async def send(self, event: PipelineEvent) -> None:
@@ -143,6 +144,26 @@ class PipelineRunner:
                                  transcriber, shared.media_pool if shared else None,
                                  self.pipeline.video_stages, speech_model,
                                  shared.degradation if shared else None, vision)
+            self._notes_in_stream = not self.pipeline.grounded or \
+                self.answer_context() == "stream"
+
+    @property
+    def notes_in_stream(self) -> bool:
+        """Whether notes are prefilled into the session's stream. Only where questions are
+        answered over it: a grounded question answered over its notes (`answer_context`
+        "notes") reads the system prompt and its own prompt alone, so the notes are kept in
+        the `NoteLog` and the engine's time goes to questions, not to a context no answer
+        reads."""
+        return self._notes_in_stream
+
+    async def add_text(self, text: str) -> None:
+        """A client's text (`input.text`): a user turn in the stream, or, where questions
+        are answered over notes, a note the questions can be grounded in."""
+        if self._notes_in_stream:
+            await self.session.append_message(text)
+        else:
+            self.notes.add(Note(f'the user wrote: "{text}"', self.stats.stream_time,
+                                tags={"user"}))
 
     async def search_frames(self, text: str, top_k: int = 5) -> list[FrameMatch]:
         """The stream's frames that best match `text` through CLIP's text encoder (needs
@@ -251,9 +272,10 @@ class PipelineRunner:
         elif isinstance(item, Note):
             self.stats.notes += 1
             self.notes.add(item)
-            await session.append_message(item.stamped(), modality=item.modality,
-                                         timestamp=item.pts, source=item.source,
-                                         state_key=item.state_key if live else None)
+            if self._notes_in_stream:
+                await session.append_message(item.stamped(), modality=item.modality,
+                                             timestamp=item.pts, source=item.source,
+                                             state_key=item.state_key if live else None)
             await self.send(NoteEvent(item.text, item.pts, sorted(item.tags)))
             for trigger in triggers:
                 question = trigger.on_note(item)

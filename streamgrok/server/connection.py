@@ -150,7 +150,7 @@ class ClientConnection:
             raise ProtocolError("no_session", f"{kind} before session.start", message.get("id"))
         if kind == "input.text":
             self._check_text_size(message)
-            await self.runner.session.append_message(message["text"])
+            await self.runner.add_text(message["text"])
         elif kind == "query":
             await self._query(message)
         elif kind == "frames.search":

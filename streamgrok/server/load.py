@@ -262,14 +262,17 @@ class CpuMeter:
                 max(0.0, used[1] - last[1][1]) / scale)
 
     def _cpu_seconds(self) -> tuple[float, float]:
+        """(this process, its children) CPU seconds so far. Children include the programs
+        they ran and waited for (Tesseract runs of a media worker, a second each), which a
+        look at the live processes alone would never see."""
         own = self.process.cpu_times()
-        children = 0.0
+        children = own.children_user + own.children_system
         for process in self.process.children(recursive=True):
             try:
                 times = process.cpu_times()
             except psutil.Error:  # a worker that just exited
                 continue
-            children += times.user + times.system
+            children += times.user + times.system + times.children_user + times.children_system
         return own.user + own.system, children
 
 
