@@ -491,3 +491,24 @@ async def test_audio_at_another_sample_rate_is_resampled(server):
     assert abs(samples.size - 16000) < 64  # one second at 16 kHz (less the filter delay)
     spectrum = np.abs(np.fft.rfft(samples[1000:15000]))
     assert abs(np.argmax(spectrum) * 16000 / 14000 - 440) < 3  # the same tone
+
+
+async def test_a_text_models_notes_stay_beside_questions_not_in_the_stream(server):
+    """Questions of a text model are answered over their notes (`answer_context` "notes"):
+    what a client writes becomes a note a question can be grounded in, and nothing is
+    prefilled into a stream no answer reads."""
+    async with connect(url(server)) as ws:
+        await start(ws)
+        (connection,) = server.connections
+        runner = connection.runner
+        assert runner.answer_context() == "notes" and not runner.notes_in_stream
+        while not (before := (await runner.session.cache_info())["layer_tokens"])[0]:
+            await asyncio.sleep(0.01)  # the system prompt, prefilled as the session starts
+        await ws.send(json.dumps({"type": "input.text", "text": "The code word is pelican."}))
+        await ws.send(json.dumps({"type": "query", "id": "q", "text": "What is the code word?"}))
+        done, _ = await recv_until(ws, "response.done")
+        assert done["finish_reason"] in ("stop", "length")
+        assert [n.text for n in runner.notes.notes] == [
+            'the user wrote: "The code word is pelican."']
+        assert done["prompt_tokens"] > len(server.loaded.tokenizer.encode("pelican"))
+        assert (await runner.session.cache_info())["layer_tokens"] == before
