@@ -337,13 +337,17 @@ def _add_bench_commands(commands) -> None:
     live = benches.add_parser("live", formatter_class=DEFAULTS,
                               help="N live websocket clients per row: answers, TTFT, TBT, "
                                    "frames processed and dropped, server CPU")
-    live.add_argument("--clients", default="1,4,8,16,32", help="rows (the first is the baseline)")
+    live.add_argument("--clients", default="1,4,8,16,24,32",
+                      help="rows (the first is the baseline)")
     live.add_argument("--fps", type=float, default=1.0, help="frames each client sends a second")
     live.add_argument("--question-every", type=float, default=15.0, help="seconds")
     live.add_argument("--seconds", type=float, default=120.0, help="per row")
     live.add_argument("--answer-timeout", type=float, default=30.0,
                       help="seconds after the row an open question may still be answered")
     live.add_argument("--url", default=None, help="a running server's /ws (else one is started)")
+    live.add_argument("--speech", action=argparse.BooleanOptionalAction, default=True,
+                      help="clients speak espeak-ng sentences about half the time (else room "
+                           "noise)")
     _add_served_options(live)
     grounding = benches.add_parser(
         "grounding", formatter_class=DEFAULTS,

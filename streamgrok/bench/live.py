@@ -2,12 +2,15 @@
 
 A `streamgrok serve` process starts on loopback (or `--url` names a running server). For each
 N in `--clients` (the first row, N=1 by default, is the baseline of the same run), N clients
-each stream generated JPEG frames at `--fps`, a second of PCM audio a second, and ask a
-question every `--question-every` seconds for `--seconds`. Per row: questions asked /
-answered / failed / refused (`busy`, `too_many_queries`) / unanswered, TTFT p50/p95/p99, TBT
-p95, frames sent / processed / dropped by reason, effective fps per session, server CPU
-(cores, media workers included) and RSS. A PNG plot of TTFT and answered fraction against N
-goes next to the table.
+each stream generated JPEG frames at `--fps` and a second of PCM audio a second: espeak-ng
+sentences in several voices with pauses of room noise between them, speech about half the
+time (`--no-speech`: room noise only). Each asks a question every `--question-every` seconds
+for `--seconds`, about what is shown and, every other time, about what was said. Per row:
+questions asked / answered / failed / refused (`busy`, `too_many_queries`) / unanswered, TTFT
+p50/p95/p99, TBT p95, frames sent / processed / dropped by reason, effective fps per session,
+server CPU (cores, media workers and the programs they ran included) and RSS; sentences said
+/ transcribed / transcribed within 3 s of their end, the transcripts' delay and WER. A PNG
+plot of TTFT and answered fraction against N goes next to the table.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from pathlib import Path
 
 import psutil
 
+from kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 from streamgrok.bench.live_client import PHOTOS, ClientResult, frame_bytes, live_client
 from streamgrok.bench.server_process import ServerProcess, serve_arguments, settle
+from streamgrok.bench.speech_track import SpeechTrack, sentence_clips, word_error_rate
 from streamgrok.bench.timing import percentile
 from streamgrok.openmp_wait import set_idle_spin
 
@@ -61,6 +66,18 @@ class Row:
             counts.update({k: v for k, v in r.drops.items() if isinstance(v, int)})
         return counts
 
+    def speech(self, within_s: float = 3.0) -> dict | None:
+        """Sentences said, transcribed, transcribed within `within_s` of their end, the
+        delay p50/p95 and the WER, over every speaking client (None: nobody spoke)."""
+        matched = [m for r in self.results for m in r.speech.matches(r.spoken)]
+        if not matched:
+            return None
+        delays = [late for _, _, late in matched if late is not None]
+        return {"said": len(matched), "transcribed": len(delays),
+                "in_time": sum(1 for d in delays if d <= within_s),
+                "delay_p50": percentile(delays, 50), "delay_p95": percentile(delays, 95),
+                "wer": word_error_rate([(s.text, heard) for s, heard, _ in matched])}
+
     @property
     def processed(self) -> int:
         return sum(r.stats.get("frames", {}).get("processed", 0) for r in self.results)
@@ -71,7 +88,8 @@ class Row:
         return self.processed / served / self.seconds if served else float("nan")
 
 
-async def run_row(url: str, server: ServerProcess | None, clients: int, args) -> Row:
+async def run_row(url: str, server: ServerProcess | None, clients: int, args,
+                  clips: list | None = None) -> Row:
     frames = [frame_bytes(i) for i in range(10 * len(PHOTOS))]
     cpu_before = _cpu_seconds(server)
     started = time.monotonic()
@@ -89,7 +107,8 @@ async def run_row(url: str, server: ServerProcess | None, clients: int, args) ->
             live_client(url, f"n{clients}-c{i:02d}", frames, args.seconds, args.fps,
                         args.question_every,
                         offset=2.0 + args.question_every * i / clients,
-                        answer_timeout=args.answer_timeout)
+                        answer_timeout=args.answer_timeout,
+                        speech=SpeechTrack(clips, first=i, seed=i) if clips else None)
             for i in range(clients)))
     finally:
         sampler.cancel()
@@ -105,8 +124,8 @@ def _cpu_seconds(server: ServerProcess | None) -> float:
     total = 0.0
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            times = p.cpu_times()
-            total += times.user + times.system
+            times = p.cpu_times()  # with the programs it ran and waited for (Tesseract)
+            total += times.user + times.system + times.children_user + times.children_system
         except psutil.NoSuchProcess:
             pass
     return total
@@ -138,6 +157,13 @@ def print_rows(rows: list[Row]) -> None:
               f"step p50 {latency.get('step_ms_p50', float('nan')):.0f} ms, p95 "
               f"{latency.get('step_ms_p95', float('nan')):.0f} ms; live fps at the end "
               f"{load.get('fps', float('nan')):.2f} ({load.get('reason') or 'not degraded'})")
+    for row in rows:
+        if (speech := row.speech()) is not None:
+            print(f"N={row.clients} speech: {speech['said']} sentences said, "
+                  f"{speech['transcribed']} transcribed, {speech['in_time']} within 3 s of "
+                  f"their end ({speech['in_time'] / speech['said']:.0%}); delay p50 "
+                  f"{_ms(speech['delay_p50'])} ms, p95 {_ms(speech['delay_p95'])} ms; "
+                  f"WER {speech['wer']:.1%}")
     for row in rows:
         served = [r for r in row.results if r.asked]
         if len(served) > 1:
@@ -193,12 +219,18 @@ async def run_live(args) -> None:
         await server.start()
         url = f"ws://127.0.0.1:{server.port}/ws"
         print(f"server pid {server.process.pid} on {url}")
+    clips = sentence_clips() if args.speech else None
+    if args.speech and clips is None:
+        print("espeak-ng is not installed: the clients send room noise, not speech")
+    print(f"cpu: {simd_flags()}, {psutil.cpu_count()} cores; native kernels built for "
+          f"{isa_cap()} ({CPU_ISA_ENV})")
     rows = []
     try:
         for clients in [int(n) for n in args.clients.split(",")]:
             print(f"N={clients}: {args.seconds:g} s at {args.fps:g} fps, a question every "
-                  f"{args.question_every:g} s", flush=True)
-            rows.append(await run_row(url, server, clients, args))
+                  f"{args.question_every:g} s, "
+                  f"{'speech about half the time' if clips else 'room noise'}", flush=True)
+            rows.append(await run_row(url, server, clients, args, clips))
             if server is not None:
                 await settle(server)
                 await asyncio.sleep(3.0)  # a load-governor tick with nobody on: a fresh row

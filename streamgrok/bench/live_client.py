@@ -14,11 +14,15 @@ import numpy as np
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from streamgrok.bench.speech_track import SpeechScore, SpeechTrack, Spoken
 from streamgrok.media.samples import photo
 from streamgrok.server.protocol import pack_media
 
 QUESTIONS = ["What is on screen right now?", "What has changed in the last seconds?",
              "Describe the scene briefly.", "Is anybody there?"]
+# asked in turn with QUESTIONS by a speaking client
+SPEECH_QUESTIONS = ["What was said just now?", "What did the last announcement say?",
+                    "Where should people go?", "What time was mentioned?"]
 PHOTOS = ["astronaut", "coffee", "cat", "chelsea", "rocket"]
 
 
@@ -39,6 +43,8 @@ class ClientResult:
     stats: dict = field(default_factory=dict)  # the last `stats` message
     session_refused: str | None = None  # error code when session.start was refused
     handshake_failed: bool = False
+    spoken: list[Spoken] = field(default_factory=list)  # sentences said (speaking clients)
+    speech: SpeechScore = field(default_factory=SpeechScore)  # what the server heard
 
     @property
     def drops(self) -> dict:
@@ -64,6 +70,7 @@ class _Queries:
 
     def __init__(self, result: ClientResult) -> None:
         self.result = result
+        self.audio_started: float | None = None  # when the client's audio began
         self.asked_at: dict[str, float] = {}
         self.last_delta: dict[str, float] = {}
         self.open: set[str] = set()
@@ -101,13 +108,18 @@ class _Queries:
                 result.refused[code] += 1
         elif kind == "stats":
             result.stats = message
+        elif kind == "event" and message.get("kind") == "note" and \
+                self.audio_started is not None:
+            result.speech.on_note(message, now - self.audio_started)
 
 
 async def live_client(url: str, name: str, frames: list[bytes], seconds: float,
                       fps: float, ask_every: float, offset: float,
-                      answer_timeout: float) -> ClientResult:
-    """Stream frames at `fps` and a second of audio a second, ask every `ask_every` s (first
-    after `offset` s); then wait up to `answer_timeout` s for the open answers."""
+                      answer_timeout: float, speech: SpeechTrack | None = None) -> ClientResult:
+    """Stream frames at `fps` and a second of audio a second (room noise, or `speech`'s
+    sentences and pauses), ask every `ask_every` s (first after `offset` s; a speaking client
+    asks about what was said every other time); then wait up to `answer_timeout` s for the
+    open answers."""
     result = ClientResult(name)
     queries = _Queries(result)
     try:
@@ -130,9 +142,10 @@ async def live_client(url: str, name: str, frames: list[bytes], seconds: float,
                 pass
 
         reading = asyncio.create_task(reader())
-        start = time.monotonic()
+        start = queries.audio_started = time.monotonic()
         next_ask = start + offset
         next_frame = next_audio = start
+        audio_sent = 0  # seconds of audio
         try:
             while (now := time.monotonic()) - start < seconds:
                 t = now - start
@@ -142,22 +155,30 @@ async def live_client(url: str, name: str, frames: list[bytes], seconds: float,
                     result.frames_sent += 1
                     next_frame += 1.0 / fps
                 if now >= next_audio:
-                    await ws.send(pack_media("audio.pcm16", 0, t,
-                                             audio_bytes(1.0, result.frames_sent)))
+                    pcm = speech.chunk(audio_sent) if speech else \
+                        audio_bytes(1.0, result.frames_sent)
+                    await ws.send(pack_media("audio.pcm16", 0, float(audio_sent), pcm))
+                    audio_sent += 1
                     next_audio += 1.0
                 if now >= next_ask:
                     query = f"{name}-{result.asked}"
+                    turn = result.asked
+                    text = SPEECH_QUESTIONS[turn // 2 % len(SPEECH_QUESTIONS)] \
+                        if speech and turn % 2 else QUESTIONS[turn % len(QUESTIONS)]
                     queries.ask(query)
-                    await ws.send(json.dumps({"type": "query", "id": query,
-                                              "text": QUESTIONS[result.asked % len(QUESTIONS)]}))
+                    await ws.send(json.dumps({"type": "query", "id": query, "text": text}))
                     next_ask += ask_every
                 await asyncio.sleep(max(0.0, min(next_frame, next_audio, next_ask)
                                         - time.monotonic()))
             deadline = time.monotonic() + answer_timeout
             while queries.open and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
+            if speech:  # the last sentence's transcript may still be on its way
+                await asyncio.sleep(max(0.0, min(5.0, deadline - time.monotonic())))
         except ConnectionClosed:
             pass
         result.unanswered = len(queries.open)
+        if speech:
+            result.spoken = speech.said_by(audio_sent)
         reading.cancel()
     return result
