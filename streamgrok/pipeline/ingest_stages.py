@@ -36,6 +36,7 @@ from streamgrok.media.items import (
 from streamgrok.media.observers import FrameObserver
 from streamgrok.media.projector import Projector
 from streamgrok.media.sampling import PixelDedup, RateSampler
+from streamgrok.media.speech_batcher import SpeechBatcher
 from streamgrok.media.transcribers import Transcriber, Transcript
 from streamgrok.pipeline.degradation import Degradation
 from streamgrok.pipeline.stage import Edge, Stage
@@ -241,7 +242,9 @@ class Transcribe(Stage):
         if not isinstance(item, SpeechSegment):
             return None
         transcript = Transcript("")
-        if self.transcriber is not None:
+        if isinstance(self.transcriber, SpeechBatcher):  # shared: waits without a thread
+            transcript = await self.transcriber.transcribe_async(item.samples)
+        elif self.transcriber is not None:
             transcript = await asyncio.to_thread(self.transcriber.transcribe, item.samples,
                                                  RATE)
         notes = speech_notes(item, transcript)

@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 from streamgrok.media.audio import SpeechModel
 from streamgrok.media.native_pool import NativeMediaPool
-from streamgrok.media.transcribers import Transcriber, load_transcriber
+from streamgrok.media.speech_batcher import SpeechBatcher
+from streamgrok.media.transcribers import load_transcriber
 from streamgrok.pipeline.degradation import Degradation
 
 T = TypeVar("T")
@@ -35,17 +36,30 @@ class SharedResources:
                 self._loaded[key] = load()
             return self._loaded[key]
 
-    def transcriber(self, name: str = "base") -> Transcriber:
-        """The shared speech recogniser `name` (see `load_transcriber`; thread-safe)."""
-        return self.get(("transcriber", name), lambda: load_transcriber(name))
+    def transcriber(self, name: str = "base") -> SpeechBatcher:
+        """The shared speech recogniser `name` (see `load_transcriber`), every session's
+        segments batched into its calls (`SpeechBatcher`; thread-safe)."""
+        return self.get(("transcriber", name), lambda: SpeechBatcher(load_transcriber(name)))
+
+    def speech_stats(self) -> dict[str, dict]:
+        """What each shared speech recogniser loaded so far did, by name."""
+        with self._lock:
+            loaded = list(self._loaded.values())
+        return {r.name: r.stats.as_dict() for r in loaded if isinstance(r, SpeechBatcher)}
 
     def speech_model(self) -> SpeechModel:
         """The shared voice-activity model (thread-safe; each session keeps its own state)."""
         return self.get("speech_model", SpeechModel)
 
     def close(self) -> None:
+        """Stop the media workers and the speech recognisers' threads."""
         if self.media_pool is not None:
             self.media_pool.close()
+        with self._lock:
+            loaded = list(self._loaded.values())
+        for resource in loaded:
+            if isinstance(resource, SpeechBatcher):
+                resource.close()
 
 
 class PipelineOptions(dict):

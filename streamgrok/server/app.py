@@ -347,6 +347,9 @@ class StreamgrokServer:
         for connection in self.connections:
             if connection.runner is not None:
                 total.update(connection.drops())
+        # speech segments the shared recogniser's full queue left unrecognised
+        total["speech_unrecognised"] = sum(s["dropped"]
+                                           for s in self.resources.speech_stats().values())
         return dict(total)
 
     def session_ended(self, drops: dict[str, int], frames: int) -> None:

@@ -436,6 +436,7 @@ class ClientConnection:
                       **drops},
             "frames": self.frame_counts(),
             "load": self.load_info(),
+            "speech": self.server.resources.speech_stats(),
             "stream_time": runner.stats.stream_time if runner else 0.0,
             "latency": {"step_ms_p50": snap["step_ms_p50"], "step_ms_p95": snap["step_ms_p95"]},
         }
