@@ -78,6 +78,19 @@ class Row:
                 "delay_p50": percentile(delays, 50), "delay_p95": percentile(delays, 95),
                 "wer": word_error_rate([(s.text, heard) for s, heard, _ in matched])}
 
+    def recognisers(self) -> dict[str, dict]:
+        """What the server's shared speech recognisers did during the row (from the clients'
+        first and last `stats`)."""
+        last = max((r.stats for r in self.results if r.stats),
+                   key=lambda st: st.get("stream_time", 0.0), default={})
+        first = next((r.first_stats for r in self.results if r.first_stats), {})
+        out = {}
+        for name, now in last.get("speech", {}).items():
+            then = first.get("speech", {}).get(name, {})
+            out[name] = {**now, **{k: now[k] - then.get(k, 0) for k in
+                                   ("segments", "calls", "audio_s", "busy_s", "dropped")}}
+        return out
+
     @property
     def processed(self) -> int:
         return sum(r.stats.get("frames", {}).get("processed", 0) for r in self.results)
@@ -158,6 +171,12 @@ def print_rows(rows: list[Row]) -> None:
               f"{latency.get('step_ms_p95', float('nan')):.0f} ms; live fps at the end "
               f"{load.get('fps', float('nan')):.2f} ({load.get('reason') or 'not degraded'})")
     for row in rows:
+        for name, asr in row.recognisers().items():
+            print(f"N={row.clients} recogniser {name}: {asr['segments']} segments in "
+                  f"{asr['calls']} calls ({asr['audio_s']:.0f} s of speech), busy "
+                  f"{asr['busy_s']:.0f} s ({asr['busy_s'] / row.seconds:.2f} cores), queue wait "
+                  f"p95 {_ms(asr['wait_p95_s'] or float('nan'))} ms, "
+                  f"{asr['dropped']} left unrecognised (queue full)")
         if (speech := row.speech()) is not None:
             print(f"N={row.clients} speech: {speech['said']} sentences said, "
                   f"{speech['transcribed']} transcribed, {speech['in_time']} within 3 s of "

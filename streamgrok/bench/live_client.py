@@ -41,6 +41,7 @@ class ClientResult:
     frames_sent: int = 0
     errors: Counter = field(default_factory=Counter)
     stats: dict = field(default_factory=dict)  # the last `stats` message
+    first_stats: dict = field(default_factory=dict)  # the first one
     session_refused: str | None = None  # error code when session.start was refused
     handshake_failed: bool = False
     spoken: list[Spoken] = field(default_factory=list)  # sentences said (speaking clients)
@@ -108,6 +109,7 @@ class _Queries:
                 result.refused[code] += 1
         elif kind == "stats":
             result.stats = message
+            result.first_stats = result.first_stats or message
         elif kind == "event" and message.get("kind") == "note" and \
                 self.audio_started is not None:
             result.speech.on_note(message, now - self.audio_started)
