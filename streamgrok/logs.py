@@ -31,5 +31,6 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("uvicorn.access", "uvicorn.error"):  # uvicorn's own lines: warnings only
+    # uvicorn's own lines, and faster-whisper's line per recognised segment: warnings only
+    for noisy in ("uvicorn.access", "uvicorn.error", "faster_whisper"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

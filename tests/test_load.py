@@ -165,3 +165,20 @@ def test_the_decode_rate_is_read_from_decode_step_time_only():
     assert decode_rate(1, 0.02) == 50.0  # an answer cancelled at its first decoded token
     assert decode_rate(0, 0.0) is None  # nothing decoded: nothing measured
     assert decode_rate(0, 1.0) is None
+
+
+def test_speech_waiting_for_the_recogniser_is_overload():
+    """Transcripts more than 3 s late: live sampling halves (the detectors' cores go to the
+    recogniser), and at the floor new sessions are refused."""
+    gov = governor()
+    late = LoadReading(cpu=0.5, media_cpu=0.1, ttft_s=0.3, stale=0.0, sessions=6,
+                       speech_wait_s=8.0)
+    gov.tick(late)
+    assert gov.degradation.fps_scale == 0.5 and "recogniser" in gov.degradation.reason
+    gov.tick(late)
+    refused = gov.admit(6)
+    assert refused.rule == "overload" and "speech has waited 8.0 s" in str(refused)
+    heard = LoadReading(cpu=0.3, media_cpu=0.1, ttft_s=0.3, stale=0.0, sessions=6,
+                        speech_wait_s=1.0)
+    gov.tick(heard)
+    assert gov.admit(6) is None

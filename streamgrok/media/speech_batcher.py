@@ -96,6 +96,13 @@ class SpeechBatcher:
             self._ready.notify()
         return await item.future
 
+    def oldest_wait(self, now: float | None = None) -> float:
+        """How long the oldest segment still queued has waited (0 when none is)."""
+        with self._ready:
+            if not self._queue:
+                return 0.0
+            return (time.monotonic() if now is None else now) - self._queue[0].queued_at
+
     def transcribe(self, samples: np.ndarray, rate: int) -> Transcript:
         """The `Transcriber` call, for callers on a worker thread: recognised alone."""
         return self.transcriber.transcribe(samples, rate)

@@ -51,6 +51,13 @@ class SharedResources:
         """The shared voice-activity model (thread-safe; each session keeps its own state)."""
         return self.get("speech_model", SpeechModel)
 
+    def speech_wait(self) -> float:
+        """How long the oldest speech segment waiting for a shared recogniser has waited."""
+        with self._lock:
+            loaded = list(self._loaded.values())
+        return max((r.oldest_wait() for r in loaded if isinstance(r, SpeechBatcher)),
+                   default=0.0)
+
     def close(self) -> None:
         """Stop the media workers and the speech recognisers' threads."""
         if self.media_pool is not None:

@@ -265,6 +265,7 @@ class StreamgrokServer:
                 cpu=cpu,
                 media_cpu=media_cpu,
                 ttft_s=max(self.governor.recent_ttft(now), self.oldest_wait(now)),
+                speech_wait_s=self.resources.speech_wait(),
                 stale=new_stale / new_frames if new_frames > 0 else 0.0,
                 sessions=self.active_sessions,
                 decode_rate=rate,

@@ -3,12 +3,13 @@ answers, and refusing new sessions.
 
 A session admitted is a session served: load is refused at `session.start`, never at a live
 session's question. Every tick the governor reads what the server measures: the CPU the
-server process and its media workers use against the machine's cores, the time to first token
-of recent answers (and how long the oldest question has waited for one), and the share of
-live frames that went stale before they could be processed. Over the limits, live sessions
-degrade first: their sampling rate halves (down to `min_fps_scale`) and the costly detectors
-run that much less often. Well under them for a while, the rate doubles back. Still over at
-the lowest rate, new sessions are refused `busy`.
+server process and its media workers use against the machine's cores, the time to first
+token of recent answers (and how long the oldest question has waited for one), how long the
+oldest speech segment has waited for the shared recogniser, and the share of live frames that
+went stale before they could be processed. Over the limits, live sessions degrade first:
+their sampling rate halves (down to `min_fps_scale`) and the costly detectors run that much
+less often, which also leaves the recogniser more of the cores. Well under them for a while,
+the rate doubles back. Still over at the lowest rate, new sessions are refused `busy`.
 
 Admission also looks ahead. From the ticks with sessions it learns the CPU one more session
 adds: its media work (frame decoding and detectors, in the media worker processes) adds up per
@@ -52,6 +53,7 @@ class LoadLimits:
     cpu_high: float = 0.90  # fraction of all cores
     cpu_low: float = 0.65
     ttft_target_s: float = 2.0
+    speech_wait_s: float = 3.0  # a speech segment waiting longer for the recogniser
     stale_high: float = 0.25  # fraction of live frames that went stale
     stale_low: float = 0.05
     answer_deadline_s: float = 20.0  # a new answer should be done within this
@@ -84,6 +86,7 @@ class LoadReading:
     stale: float  # fraction of live frames that went stale since the last tick
     sessions: int
     decode_rate: float | None = None  # tokens per second of the engine's decode steps
+    speech_wait_s: float = 0.0  # how long the oldest speech segment has waited to be heard
 
 
 @dataclass
@@ -135,7 +138,8 @@ class LoadGovernor:
             return
         self.refusing = ""
         calm = reading.cpu < limits.cpu_low and reading.stale < limits.stale_low \
-            and reading.ttft_s < limits.ttft_target_s / 2
+            and reading.ttft_s < limits.ttft_target_s / 2 \
+            and reading.speech_wait_s < limits.speech_wait_s / 2
         self._calm = self._calm + 1 if calm else 0
         if self._calm >= limits.calm_ticks and level.degraded:
             self._calm = 0
@@ -226,6 +230,9 @@ class LoadGovernor:
         limits = self.limits
         if reading.ttft_s > limits.ttft_target_s:
             return f"time to first token {reading.ttft_s:.1f} s > {limits.ttft_target_s:g} s"
+        if reading.speech_wait_s > limits.speech_wait_s:
+            return (f"speech has waited {reading.speech_wait_s:.1f} s for the recogniser "
+                    f"> {limits.speech_wait_s:g} s")
         if reading.cpu > limits.cpu_high:
             return f"CPU at {reading.cpu:.0%} of the cores"
         if reading.stale > limits.stale_high:
