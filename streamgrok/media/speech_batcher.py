@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from streamgrok.engine.metrics import percentile
 from streamgrok.media.transcribers import RATE, Transcriber, Transcript, Word
 
 GAP_S = 0.6  # silence between packed segments
@@ -42,8 +43,7 @@ class BatcherStats:
     waits: deque = field(default_factory=lambda: deque(maxlen=512))  # queue wait, seconds
 
     def as_dict(self) -> dict:
-        waits = sorted(self.waits)
-        p95 = waits[min(len(waits) - 1, round(0.95 * (len(waits) - 1)))] if waits else None
+        p95 = percentile(list(self.waits), 95) if self.waits else None
         return {"segments": self.segments, "calls": self.calls,
                 "audio_s": round(self.audio_s, 1), "busy_s": round(self.busy_s, 1),
                 "dropped": self.dropped, "wait_p95_s": p95}
