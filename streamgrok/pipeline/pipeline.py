@@ -112,7 +112,10 @@ class PipelineRunner:
         self.ingest: Ingest | None = None
         self._answers: list[asyncio.Task] = []
         self.notes = NoteLog()
-        self._notes_in_stream = True  # set by `start` (see `notes_in_stream`)
+        # whether notes are prefilled into the session's stream (set by `start`): only where
+        # questions are answered over it; a grounded question answered over its notes
+        # (`answer_context` "notes") reads the system prompt and its own prompt alone
+        self.notes_in_stream = True
         self.frame_index = FrameIndex()  # CLIP embeddings of the frames, when CLIP runs
 
     async def send(self, event: PipelineEvent) -> None:
@@ -144,22 +147,13 @@ class PipelineRunner:
                                  transcriber, shared.media_pool if shared else None,
                                  self.pipeline.video_stages, speech_model,
                                  shared.degradation if shared else None, vision)
-            self._notes_in_stream = not self.pipeline.grounded or \
+            self.notes_in_stream = not self.pipeline.grounded or \
                 self.answer_context() == "stream"
-
-    @property
-    def notes_in_stream(self) -> bool:
-        """Whether notes are prefilled into the session's stream. Only where questions are
-        answered over it: a grounded question answered over its notes (`answer_context`
-        "notes") reads the system prompt and its own prompt alone, so the notes are kept in
-        the `NoteLog` and the engine's time goes to questions, not to a context no answer
-        reads."""
-        return self._notes_in_stream
 
     async def add_text(self, text: str) -> None:
         """A client's text (`input.text`): a user turn in the stream, or, where questions
         are answered over notes, a note the questions can be grounded in."""
-        if self._notes_in_stream:
+        if self.notes_in_stream:
             await self.session.append_message(text)
         else:
             self.notes.add(Note(f'the user wrote: "{text}"', self.stats.stream_time,
@@ -272,7 +266,7 @@ class PipelineRunner:
         elif isinstance(item, Note):
             self.stats.notes += 1
             self.notes.add(item)
-            if self._notes_in_stream:
+            if self.notes_in_stream:
                 await session.append_message(item.stamped(), modality=item.modality,
                                              timestamp=item.pts, source=item.source,
                                              state_key=item.state_key if live else None)
