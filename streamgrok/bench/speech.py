@@ -17,22 +17,28 @@ SENTENCES = [
     "Two people are waiting at the front door.",
 ]
 VOICES = [("en", 150), ("en-us", 175), ("en+f3", 160), ("en-gb", 190)]
+NUMBERS = {"7": "seven", "9": "nine", "10": "ten", "4": "four", "2": "two"}  # as Whisper writes
+
+
+def word_error_rate(references: list[str], heard: list[str]) -> float:
+    """WER of what was `heard` against the `references`, case, punctuation and the digits of
+    these sentences normalised."""
+    import jiwer
+
+    transform = jiwer.Compose([jiwer.ToLowerCase(), jiwer.RemovePunctuation(),
+                               jiwer.SubstituteWords(NUMBERS), jiwer.RemoveMultipleSpaces(),
+                               jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
+    return jiwer.wer(references, heard, reference_transform=transform,
+                     hypothesis_transform=transform)
 
 
 def speech_bench(recognisers: tuple[str, ...] = ("pocketsphinx", "base")) -> dict:
     """WER and RTF per recogniser on the same audio, one thread each."""
-    import jiwer
-
     clips = [(text, speak(text, voice=voice, speed=speed))
              for text in SENTENCES for voice, speed in VOICES]
     if clips[0][1] is None:
         print("speech     espeak-ng is not installed: recogniser part skipped")
         return {}
-    transform = jiwer.Compose([jiwer.ToLowerCase(), jiwer.RemovePunctuation(),
-                               jiwer.SubstituteWords({"7": "seven", "9": "nine", "10": "ten",
-                                                      "4": "four", "2": "two"}),
-                               jiwer.RemoveMultipleSpaces(), jiwer.Strip(),
-                               jiwer.ReduceToListOfListOfWords()])
     audio_s = sum(len(samples) for _, samples in clips) / 16_000
     results = {}
     for name in recognisers:
@@ -41,8 +47,7 @@ def speech_bench(recognisers: tuple[str, ...] = ("pocketsphinx", "base")) -> dic
         started = time.perf_counter()
         heard = [recogniser.transcribe(samples, 16_000).text for _, samples in clips]
         seconds = time.perf_counter() - started
-        wer = jiwer.wer([t for t, _ in clips], heard, reference_transform=transform,
-                        hypothesis_transform=transform)
+        wer = word_error_rate([t for t, _ in clips], heard)
         results[f"wer_{name}"], results[f"rtf_{name}"] = wer, seconds / audio_s
         print(f"speech     {recogniser.name:<14} WER {wer:6.1%} on {len(clips)} sentences "
               f"({len(VOICES)} voices/speeds), real-time factor {seconds / audio_s:.3f} "
