@@ -351,9 +351,17 @@ def _add_bench_commands(commands) -> None:
     _add_served_options(live)
     grounding = benches.add_parser(
         "grounding", formatter_class=DEFAULTS,
-        help="questions with known answers on generated clips, by category")
+        help="questions with known answers on generated clips: as the notes word them, "
+             "in other words, and about what never happened")
     grounding.add_argument("--pipeline", default="pipelines/live_qa.py", help="pipeline file")
     grounding.add_argument("--clips", default=None, help="comma-separated clip names")
+    grounding.add_argument("--seed", type=int, default=0,
+                           help="seed the generated clips are drawn from")
+    grounding.add_argument("--generated", type=int, default=5,
+                           help="how many clips to draw from --seed")
+    grounding.add_argument("--configs", default="words,current",
+                           help="comma-separated: current, words (the old note selection), "
+                                "stream, pocketsphinx")
     grounding.add_argument("--out", default="bench-results", help="folder for the plot")
     _add_model_options(grounding)
     media = benches.add_parser("media", formatter_class=DEFAULTS,
@@ -565,7 +573,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "grounding":
         from streamgrok.bench.grounding import run_grounding_bench
 
-        run_grounding_bench(_load(args), args.pipeline, out=args.out, only=args.clips)
+        run_grounding_bench(_load(args), args.pipeline, out=args.out, only=args.clips,
+                            seed=args.seed, generated=args.generated, configs=args.configs)
         return 0
     if args.bench == "live":
         from streamgrok.bench.live import run_live_bench

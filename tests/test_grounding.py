@@ -233,21 +233,37 @@ def test_a_grounded_prompt_leaves_out_the_oldest_notes_to_fit_its_room():
     assert grounded_prompt("What was said?", log, room=20, count=len) == "What was said?"
 
 
-def test_where_the_notes_decide_an_answer_it_is_given_its_first_words():
+@pytest.mark.parametrize("selection", ["words", "meaning"])
+def test_where_the_notes_decide_an_answer_it_is_given_its_first_words(selection):
     from streamgrok.pipeline.grounding import answer_stem
 
     log = log_of((1.0, "1 face appeared (1 in view)", {"face"}),
                  (3.0, 'said: "hello"', {"transcript"}))
-    assert answer_stem("Was a cat seen?", log) == "No"
-    assert answer_stem("Was any text shown on screen?", log) == "No"
-    assert answer_stem("Was there a person on screen?", log) == ""  # one was noted
-    assert answer_stem("Did anyone speak?", log) == ""
-    assert answer_stem("What was said?", log) == ""  # the model words it
-    assert answer_stem("How many cats were seen?", log) == "No"
-    assert answer_stem("How many faces were seen?", log) == ""  # the totals say
-    assert answer_stem("Who was on screen?", log) == "A person"  # never a name
-    assert answer_stem("Who was on screen?", NoteLog()) == "No one"
-    assert answer_stem("Did the scene change?", log) == ""  # cuts are not "never noted"
+    def stem(question: str, notes: NoteLog = log) -> str:
+        return answer_stem(question, notes, selection)
+
+    if selection == "words":
+        assert stem("Was a cat seen?") == "No"
+        assert stem("Was any text shown on screen?") == "No"
+        assert stem("How many cats were seen?") == "No"
+    else:  # the answer says what was not seen
+        assert stem("Was a cat seen?") == "No, I did not see a cat"
+        assert stem("Was any text shown on screen?") == "No, I did not see any text"
+        assert stem("How many cats were seen?") == "None: I did not see any cats"
+        assert stem("How many animals were seen?") == "None: I did not see an animal"
+        assert stem("What animal was on screen?") == "I did not see an animal"
+        assert stem("Did a car drive past?") == "No, I did not see a car"
+        assert stem("Where should the car park?") == ""  # what was said decides
+        assert stem("What did the speaker say?", NoteLog()) == "I did not hear anyone speak"
+    seen = "" if selection == "words" else "Yes"  # one was noted
+    assert stem("Was there a person on screen?") == seen
+    assert stem("Did anyone speak?") == seen
+    assert stem("Did anyone speak about the weather?") == ""  # the model reads the notes
+    assert stem("What was said?") == ""  # the model words it
+    assert stem("How many faces were seen?") == ""  # the totals say
+    assert stem("Who was on screen?") == "A person"  # never a name
+    assert stem("Who was on screen?", NoteLog()) == "No one"
+    assert stem("Did the scene change?") == ""  # cuts are not "never noted"
 
 
 async def test_an_answer_prefix_is_the_answers_first_words(tiny_loaded):

@@ -1,5 +1,6 @@
 """Word error rate and real-time factor of the speech recognisers on espeak-ng sentences in
-several voices and speeds (part of `streamgrok bench media`)."""
+several voices and speeds (part of `streamgrok bench media`), and `bench speech`: how well
+Whisper hears numbers, times and names under each decoding option."""
 
 from __future__ import annotations
 
@@ -52,4 +53,65 @@ def speech_bench(recognisers: tuple[str, ...] = ("pocketsphinx", "base")) -> dic
         print(f"speech     {recogniser.name:<14} WER {wer:6.1%} on {len(clips)} sentences "
               f"({len(VOICES)} voices/speeds), real-time factor {seconds / audio_s:.3f} "
               f"({audio_s:.0f} s of audio in {seconds:.1f} s, one thread)")
+    return results
+
+
+NUMBER_SENTENCES = [  # spoken in words, as a person reads them
+    "The meeting starts at four thirty in room twelve.",
+    "The delivery truck arrives at gate seven.",
+    "Flight two hundred and five now boards at gate fourteen.",
+    "Please call Maria at extension three four one.",
+    "The train to Leeds leaves from platform nine at six fifteen.",
+    "Doctor Patel will see you in room eighteen at ten o'clock.",
+    "The store closes at nine tonight.",
+    "Bus number forty two is running twenty minutes late.",
+    "Take the stairs to floor three and ask for Daniel.",
+    "The package weighs eleven kilos and costs sixty dollars.",
+]
+NUMBER_VOICES = [("en-us", 150), ("en+m3", 140), ("en-gb", 175), ("en+f3", 165)]
+NAMES = ("maria", "leeds", "patel", "daniel")
+
+
+def numbers_heard(reference: str, heard: str) -> bool:
+    """Whether `heard` has the reference's numbers, in order, however written ("4:30",
+    "430", "four thirty"; "341" or "3 4 1")."""
+    from streamgrok.bench.grounding_questions import digits
+
+    return "".join(digits(reference.replace("o'clock", ""))) == "".join(digits(heard))
+
+
+def speech_numbers_bench(decodings: dict[str, dict], threads: int = 1) -> dict:
+    """Numbers (and names) heard right, WER and real-time factor of Whisper base under each
+    decoding option (faster-whisper keyword arguments), on the same espeak-ng audio."""
+    from streamgrok.media.transcribers import WhisperTranscriber
+
+    clips = [(text, speak(text, voice=voice, speed=speed))
+             for text in NUMBER_SENTENCES for voice, speed in NUMBER_VOICES]
+    if clips[0][1] is None:
+        print("speech     espeak-ng is not installed: nothing to measure")
+        return {}
+    audio_s = sum(len(samples) for _, samples in clips) / 16_000
+    results = {}
+    print(f"speech numbers: {len(NUMBER_SENTENCES)} sentences x {len(NUMBER_VOICES)} voices "
+          f"({', '.join(f'{v} {s} wpm' for v, s in NUMBER_VOICES)}), {audio_s:.0f} s of audio, "
+          f"Whisper base int8, {threads} thread(s)")
+    for label, options in decodings.items():
+        recogniser = WhisperTranscriber("base", threads=threads, **options)
+        recogniser.transcribe(clips[0][1], 16_000)  # warm up
+        started = time.perf_counter()
+        heard = [recogniser.transcribe(samples, 16_000).text for _, samples in clips]
+        seconds = time.perf_counter() - started
+        right = sum(numbers_heard(text, said) for (text, _), said in zip(clips, heard))
+        named = [(name, said) for (text, _), said in zip(clips, heard)
+                 for name in NAMES if name in text.lower()]
+        names = sum(name in said.lower() for name, said in named)
+        wer = word_error_rate([t for t, _ in clips], heard)
+        results[label] = {"numbers": right / len(clips), "names": names / max(1, len(named)),
+                          "wer": wer, "rtf": seconds / audio_s}
+        print(f"  {label:<28} numbers {right}/{len(clips)} ({right / len(clips):.0%}), "
+              f"names {names}/{len(named)}, WER {wer:.1%}, real-time factor "
+              f"{seconds / audio_s:.3f}")
+        for (text, _), said in zip(clips, heard):
+            if not numbers_heard(text, said):
+                print(f"      {text!r} -> {said!r}")
     return results

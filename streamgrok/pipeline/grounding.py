@@ -12,22 +12,19 @@ the question asks, so the model has a true answer to give instead of an invented
 from __future__ import annotations
 
 import re
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import replace
 
-import snowballstemmer
-
-from streamgrok.media.items import Note
 from streamgrok.media.observers import COUNTED
-
-WORD = re.compile(r"[a-z0-9]+")
-STOP = frozenset(
-    "a an the is are was were be been to of in on at and or what who whom which when where "
-    "why how did do does has have had it its this that there any anything someone somebody "
-    "so far you i me my we us our your please tell about from with for as by now yet ever "
-    "see seen saw hear heard can could would should".split())
+from streamgrok.pipeline.note_log import WORD, Event, LoggedNote, NoteLog
+from streamgrok.pipeline.note_retrieval import retrieve
+from streamgrok.pipeline.question_kinds import (
+    CUES,
+    article,
+    asked_kinds,
+    named_things,
+    said_form,
+)
 
 # words that ask about scene changes only when the question names nothing else that changed
 # ("when did the person appear" asks about the person)
@@ -56,6 +53,18 @@ TOPICS: dict[str, tuple[frozenset[str], frozenset[str], str]] = {
     "change": (frozenset("cut cuts scene scenes switch switched".split()) | CHANGE_VERBS,
                frozenset({"cut"}), "no scene change was seen"),
 }
+# "meaning": what to say of a kind of note the log lacks, in the prompt and as the answer
+MISSING = {"cat": "no animal was seen"}
+NOT_OBSERVED = {"speech": "I did not hear anyone speak", "people": "I did not see anyone",
+                "cat": "I did not see an animal", "text": "I did not see any text",
+                "motion": "I did not see anything move", "colour": "I did not see any colours"}
+SELECTIONS = ("meaning", "words")
+# the words of a yes/no question that asks only whether something was there
+PRESENCE_WORDS = frozenset(
+    "was were is are did do does has have had there any a an the on in into at screen "
+    "picture view video frame camera seen see saw shown show visible appear appeared "
+    "show up come came enter entered walk walked anyone anybody someone somebody anything "
+    "something".split())
 RECENT = 1  # the latest notes always go in: "what is happening now"
 PLURAL = {one: many for _, one, many, _ in COUNTED} | {many: many for _, _, many, _ in COUNTED}
 SINGULAR = {many: one for _, one, many, _ in COUNTED}
@@ -63,7 +72,6 @@ SINGULAR = {many: one for _, one, many, _ in COUNTED}
 TIMED = {"change": "scene cuts", "people": "people or faces came or went",
          "cat": "cats came or went", "text": "text on screen changed",
          "motion": "moving objects noted", "speech": "speech heard"}
-SYNONYMS = {"vanish": "gone", "disappear": "gone", "came": "appear", "arriv": "appear"}  # stems
 YES_NO = re.compile(r"^\s*(was|were|is|are|did|does|do|has|have|had|can|could)\b", re.I)
 QUOTE = re.compile(r'^said: "(.*)"( \(continues\))?$')  # audio.speech_notes
 WHO = re.compile(r"^\s*who\b", re.I)
@@ -71,51 +79,6 @@ HOW_MANY = re.compile(r"\bhow many\b", re.I)
 WHEN = re.compile(r"^\s*(when|at what time|what time)\b|\bhow long\b", re.I)
 IN_VIEW = re.compile(r"\d+ (" + "|".join(sorted(PLURAL, key=len, reverse=True)) + r") "
                      r"(?:appeared|left) \((\d+|none) in view\)")  # observers.count_change
-
-
-class Event(NamedTuple):
-    """One thing a note says happened."""
-
-    text: str
-    tags: frozenset[str]  # what it is about
-    words: frozenset[str] = frozenset()  # its content words, stemmed once when logged
-
-
-@dataclass(frozen=True)
-class LoggedNote:
-    text: str
-    pts: float
-    tags: frozenset[str]
-    events: tuple[Event, ...]  # the note's parts; a prompt may show only some
-
-    @property
-    def shown(self) -> str:
-        """The text of the events it shows."""
-        return "; ".join(event.text for event in self.events)
-
-    def line(self) -> str:
-        return f"- at {self.pts:.0f} seconds: {self.shown}"
-
-
-class NoteLog:
-    """A session's notes in stream order; the oldest leave past `capacity`."""
-
-    def __init__(self, capacity: int = 2000) -> None:
-        self.notes: deque[LoggedNote] = deque(maxlen=capacity)
-        self._stemmer = snowballstemmer.stemmer("english")
-
-    def add(self, note: Note) -> None:
-        tags = frozenset(note.tags)
-        events = tuple(note.events) or ((note.text, tags),)
-        self.notes.append(LoggedNote(note.text, note.pts, tags, tuple(
-            Event(text, frozenset(about), frozenset(self.words(text)))
-            for text, about in events)))
-
-    def words(self, text: str) -> set[str]:
-        """The content words of `text`, stemmed ("moving" and "move" are one word)."""
-        stems = self._stemmer.stemWords([w for w in WORD.findall(text.lower())
-                                         if w not in STOP])
-        return {SYNONYMS.get(stem, stem) for stem in stems}
 
 
 def topics_of(question: str) -> list[str]:
@@ -176,19 +139,59 @@ def best_events(question: str, topics: list[str],
     return shown
 
 
-def answer_stem(question: str, log: NoteLog) -> str:
-    """How the answer must begin, where the notes decide it: "No" for a yes/no or how-many
-    question about something the observers never noted (a person, a cat, text, motion,
-    speech); for "who", "A person" or "No one" as a person or face was noted or not
-    (observers see that someone is there, never who: a name can only come from what was
-    said); else nothing. The model words the rest. A small model otherwise answers "a cat
-    was seen" beside "never: no cat was seen", or names someone it made up."""
-    topics = [t for t in topics_of(question) if t in TIMED and t != "change"]
-    if WHO.search(question) and "people" in topics:
-        return "A person" if noted("people", log) else "No one"
-    if not topics or any(noted(t, log) for t in topics):
+def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
+    """How the answer must begin, where the notes decide it. "words" (the old selection):
+    "No" for a yes/no or how-many question about something the observers never noted (a
+    person, a cat, text, motion, speech); for "who", "A person" or "No one" as a person or
+    face was noted or not (observers see that someone is there, never who: a name can only
+    come from what was said); else nothing. "meaning" also says what was not seen or heard:
+    "I did not see a dog" for a thing named that no note mentions, "I did not hear anyone
+    speak" for a kind of note asked about that the log lacks ("No, " first for a yes/no
+    question). The model words the rest. A small model otherwise answers "a cat was seen"
+    beside "never: no cat was seen", or names someone it made up."""
+    if selection == "words":
+        topics = [t for t in topics_of(question) if t in TIMED and t != "change"]
+        if WHO.search(question) and "people" in topics:
+            return "A person" if noted("people", log) else "No one"
+        if not topics or any(noted(t, log) for t in topics):
+            return ""
+        return "No" if YES_NO.search(question) or HOW_MANY.search(question) else ""
+    yes_no = "No, " if YES_NO.search(question) else "None: " if HOW_MANY.search(question) \
+        else ""
+    asked = asked_kinds(question)
+    unseen = unseen_things(question, asked, log)
+    if unseen:
+        return f"{yes_no}I did not see {article(unseen[0])}"
+    kinds = [k for k in asked if k in TIMED and k != "change"]
+    if not kinds:
         return ""
-    return "No" if YES_NO.search(question) or HOW_MANY.search(question) else ""
+    if WHO.search(question) and kinds[0] == "people":
+        return "A person" if noted("people", log) else "No one"
+    if noted(kinds[0], log):
+        return "Yes" if yes_no and only_presence(question, kinds[0]) else ""
+    return yes_no + NOT_OBSERVED[kinds[0]]
+
+
+def unseen_things(question: str, kinds: list[str], log: NoteLog) -> list[str]:
+    """The objects and animals the question names that no note mentions (not for a
+    question about a display's or a speaker's words: "where do trains leave, per the
+    sign?")."""
+    if "text" in kinds or "speech" in kinds:
+        return []
+    return [thing for thing in named_things(question) if not mentioned(thing, log)]
+
+
+def only_presence(question: str, kind: str) -> bool:
+    """Whether a yes/no question asks only whether something of `kind` was there ("was
+    there a person on screen?", not "did anyone speak about the weather?")."""
+    words = set(WORD.findall(question.lower())) - PRESENCE_WORDS - CUES[kind]
+    return not words
+
+
+def mentioned(thing: str, log: NoteLog) -> bool:
+    """Whether any note's words include `thing` (stemmed: "dogs" matches "dog")."""
+    stems = log.words(thing)
+    return any(stems & event.words for note in log.notes for event in note.events)
 
 
 def noted(topic: str, log: NoteLog) -> bool:
@@ -196,34 +199,52 @@ def noted(topic: str, log: NoteLog) -> bool:
     return any(n.tags & TOPICS[topic][1] for n in log.notes)
 
 
-def timeline(question: str, log: NoteLog) -> str | None:
-    """For a "when" question: the times of the notes on what it asks about, first to last."""
+def timeline(question: str, topics: list[str], log: NoteLog) -> str | None:
+    """For a "when" question: the times of the notes on what it asks about, first to last
+    (only the first or the last where the question asks for it)."""
     if not WHEN.search(question):
         return None
+    asked = set(WORD.findall(question.lower()))
     parts = []
-    for topic in topics_of(question):
+    for topic in topics:
         if topic not in TIMED:
             continue
         times = sorted({round(n.pts) for n in log.notes if n.tags & TOPICS[topic][1]})
-        if times:
-            when = ", ".join(str(t) for t in times[:8])
-            first = f" (first at {times[0]} seconds)" if len(times) > 1 else ""
-            parts.append(f"{TIMED[topic]} at {when} seconds{first}")
+        if not times:
+            continue
+        if "first" in asked or "last" in asked:
+            which = "first" if "first" in asked else "last"
+            at = times[0] if which == "first" else times[-1]
+            parts.append(f"the {which} of the {TIMED[topic]} at {at} seconds")
+            continue
+        when = ", ".join(str(t) for t in times[:8])
+        first = f" (first at {times[0]} seconds)" if len(times) > 1 else ""
+        parts.append(f"{TIMED[topic]} at {when} seconds{first}")
     return "; ".join(parts) or None
 
 
 def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
-                    count: Callable[[str], int] | None = None) -> str:
+                    count: Callable[[str], int] | None = None,
+                    selection: str = "meaning") -> str:
     """The question with the notes it should be answered from, and what was not observed.
-    With `room` (tokens, as `count` measures text) the oldest chosen notes are left out
-    until the prompt fits, and the bare question goes when nothing else does (it is never
-    cut)."""
-    notes = join_speech(relevant_notes(question, log))
-    topics = topics_of(question)
-    missing = [TOPICS[t][2] for t in topics if not noted(t, log)]
+    `selection` "meaning" picks notes by the kinds the question asks about, BM25 and
+    recency (`note_retrieval`); "words" by shared word stems and topic words (the old
+    way, kept as the benchmark's baseline). With `room` (tokens, as `count` measures text)
+    the least relevant chosen notes are left out until the prompt fits, and the bare
+    question goes when nothing else does (it is never cut)."""
+    if selection == "words":
+        topics = topics_of(question)
+        notes = join_speech(relevant_notes(question, log))
+        missing = [TOPICS[t][2] for t in topics if not noted(t, log)]
+        times = timeline(question, topics, log)
+    else:
+        topics = asked_kinds(question)
+        times = None if said_form(question) else timeline(question, topics, log)
+        notes = join_speech(retrieve(question, topics, log, story_told=times is not None))
+        missing = [MISSING.get(t, TOPICS[t][2]) for t in topics if not noted(t, log)]
+        missing += [f"no {thing} was seen" for thing in unseen_things(question, topics, log)]
     totals = counts(log, topics) if HOW_MANY.search(question) else None
-    times = timeline(question, log)
-    ask = f"Using only these notes, answer in {_answer_form(question)}: {question}"
+    ask = f"Using only these notes, answer in {_answer_form(question, topics)}: {question}"
     prompt = _layout(ask, notes, missing, totals, times)
     if room is None or count is None:
         return prompt
@@ -250,12 +271,13 @@ def join_speech(notes: list[LoggedNote], gap_s: float = 4.0) -> list[LoggedNote]
     return joined
 
 
-def _answer_form(question: str) -> str:
+def _answer_form(question: str, topics: list[str]) -> str:
     """What the answer should be: a short sentence, quoting the words for what was said,
-    with the number for how many."""
-    asked = topics_of(question)
-    if "speech" in asked and "text" not in asked and not WHEN.search(question):
+    from the words said for a plan or instruction, with the number for how many."""
+    if "speech" in topics and "text" not in topics and not WHEN.search(question):
         return "one short sentence that quotes the words said"  # not a caption's words
+    if said_form(question):  # "when does the meeting start?": not when it was said
+        return "one short sentence with what was said about it"
     if HOW_MANY.search(question):
         return "one short sentence with the number"
     return "one short sentence"

@@ -28,8 +28,9 @@ from streamgrok.pipeline.events import (
     PipelineEvent,
     QuestionEvent,
 )
-from streamgrok.pipeline.grounding import NoteLog, answer_stem, grounded_prompt
+from streamgrok.pipeline.grounding import SELECTIONS, answer_stem, grounded_prompt
 from streamgrok.pipeline.ingest import Ingest, IngestConfig
+from streamgrok.pipeline.note_log import NoteLog
 from streamgrok.pipeline.options import DEFAULT_CLIENT_OPTIONS, ClientOption
 from streamgrok.pipeline.resources import SharedResources
 from streamgrok.pipeline.stage import Stage, start_chain
@@ -77,6 +78,10 @@ class Pipeline:
     # beside the question); None: "notes" unless the model sees frames in the stream or
     # the cache recalls evicted KV from a host tier
     answer_context: str | None = None
+    # how a grounded question's notes are chosen: "meaning" (the kinds of note its form and
+    # words ask about, BM25, the latest of each kind; says what was not seen) or "words"
+    # (shared word stems and topic words only: the old way)
+    note_selection: str = "meaning"
     # what a remote client may set in session.start (everything else is server configuration)
     client_options: dict[str, ClientOption] = field(
         default_factory=lambda: dict(DEFAULT_CLIENT_OPTIONS))
@@ -85,6 +90,9 @@ class Pipeline:
         if self.answer_context not in (None, *ANSWER_CONTEXTS):
             raise ValueError(f"answer_context must be one of {', '.join(ANSWER_CONTEXTS)} "
                              f"or None, got {self.answer_context!r}")
+        if self.note_selection not in SELECTIONS:
+            raise ValueError(f"note_selection must be one of {', '.join(SELECTIONS)}, "
+                             f"got {self.note_selection!r}")
 
 
 @dataclass
@@ -297,10 +305,12 @@ class PipelineRunner:
             one_line = replace(sampling, stop_token_ids=sampling.stop_token_ids
                                | self.engine.tokenizer.line_break_ids())
             tokenizer = self.engine.tokenizer
+            selection = self.pipeline.note_selection
             prompt = grounded_prompt(question, self.notes, self.session.question_room(),
-                                     lambda text: len(tokenizer.encode(text)))
+                                     lambda text: len(tokenizer.encode(text)), selection)
             answer = self.session.ask(prompt, one_line, remember=False,
-                                      answer_prefix=answer_stem(question, self.notes),
+                                      answer_prefix=answer_stem(question, self.notes,
+                                                                selection),
                                       own_context=self.answer_context() == "notes")
         else:
             answer = self.session.ask(question, sampling)
