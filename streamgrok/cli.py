@@ -364,6 +364,10 @@ def _add_bench_commands(commands) -> None:
                                 "stream, pocketsphinx")
     grounding.add_argument("--out", default="bench-results", help="folder for the plot")
     _add_model_options(grounding)
+    speech = benches.add_parser(
+        "speech", formatter_class=DEFAULTS,
+        help="numbers, times and names heard right by Whisper base under each decoding option")
+    speech.add_argument("--threads", type=int, default=1, help="recogniser threads")
     media = benches.add_parser("media", formatter_class=DEFAULTS,
                                help="decode, CLIP, dedup and ingest rates")
     media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
@@ -569,6 +573,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         configure_threads(args.threads)
         run_media_bench(args.clip_weights, args.fps, args.parts, args.out)
+        return 0
+    if args.bench == "speech":
+        from streamgrok.bench.speech import DECODINGS, speech_numbers_bench
+
+        speech_numbers_bench(DECODINGS, args.threads)
         return 0
     if args.bench == "grounding":
         from streamgrok.bench.grounding import run_grounding_bench

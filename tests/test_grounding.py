@@ -69,6 +69,24 @@ def test_sentences_start_at_their_first_word():
     assert transcript.sentences() == [(0.0, "Hello there."), (1.5, "How are you?")]
 
 
+def test_words_the_recogniser_was_unsure_of_are_named_in_the_note_and_kept_when_joined():
+    from streamgrok.media.audio import SpeechSegment, speech_notes
+    from streamgrok.pipeline.grounding import join_speech
+
+    transcript = Transcript("The meeting is at 430. In room 12.", (
+        Word(" The", 0.0, 0.2, 0.9), Word(" meeting", 0.2, 0.6, 0.95),
+        Word(" is", 0.6, 0.7, 0.9), Word(" at", 0.7, 0.8, 0.9), Word(" 430.", 0.8, 1.2, 0.2),
+        Word(" In", 1.5, 1.6, 0.9), Word(" room", 1.6, 1.9, 0.9), Word(" 12.", 1.9, 2.2, 0.8)))
+    segment = SpeechSegment(10.0, 13.0, np.zeros(16_000 * 3, dtype=np.float32))
+    notes = speech_notes(segment, transcript)
+    assert [n.text for n in notes] == ['said: "The meeting is at 430." (unsure of: 430)',
+                                       'said: "In room 12."']
+    log = log_of(*[(n.pts, n.text, n.tags) for n in notes])
+    joined = join_speech(list(log.notes))
+    assert [n.shown for n in joined] == \
+        ['said: "The meeting is at 430. In room 12." (unsure of: 430)']
+
+
 @needs_espeak
 def test_long_speech_is_cut_into_partial_segments_at_a_quiet_point():
     from streamgrok.media.audio import RATE, SpeechDetector

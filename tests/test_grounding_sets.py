@@ -104,3 +104,21 @@ def test_what_was_not_seen_is_said_in_the_prompt_and_the_answer():
     assert answer_stem("Did a dog appear?", log) == "No, I did not see a dog"
     assert answer_stem("Who walked into view?", log) == "No one"
     assert answer_stem("Where should visitors go?", log) == ""
+
+
+def test_asked_for_the_first_of_several_the_prompt_shows_the_first():
+    log = NoteLog()
+    for at in (3.0, 9.0, 15.0):
+        log.add(Note("scene cut: a different scene", at, tags={"cut"}))
+    prompt = grounded_prompt("At what moment did the picture first switch to another view?",
+                             log)
+    assert "at 3 seconds: scene cut" in prompt and "at 15 seconds" not in prompt
+    assert "the first of the scene cuts at 3 seconds" in prompt
+    last = grounded_prompt("When was the last scene cut?", log)
+    assert "at 15 seconds: scene cut" in last and "at 3 seconds" not in last
+
+
+def test_a_thing_named_in_a_question_not_about_the_picture_is_not_denied():
+    log = busy_log()
+    assert answer_stem("How many minutes late is the bus?", log) == ""
+    assert answer_stem("Was a bus on screen?", log) == "No, I did not see a bus"

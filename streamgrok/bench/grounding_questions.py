@@ -59,8 +59,10 @@ class Clip:
 
 
 def normalise(text: str) -> str:
-    """Lower case, words and times only, single spaces ("didn't" stays one word)."""
-    return " ".join(re.sub(r"[^a-z0-9:']+", " ", text.lower().replace("\u2019", "'")).split())
+    """Lower case, words and times only, single spaces ("didn't" stays one word, "00:03"
+    one time, "seconds:" a word)."""
+    text = re.sub(r"[^a-z0-9:']+", " ", text.lower().replace("\u2019", "'"))
+    return " ".join(re.sub(r"(?<!\d):|:(?!\d)", " ", text).split())
 
 
 def digits(text: str) -> list[str]:

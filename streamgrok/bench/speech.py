@@ -70,6 +70,15 @@ NUMBER_SENTENCES = [  # spoken in words, as a person reads them
 ]
 NUMBER_VOICES = [("en-us", 150), ("en+m3", 140), ("en-gb", 175), ("en+f3", 165)]
 NAMES = ("maria", "leeds", "patel", "daniel")
+# the decoding options measured (WhisperTranscriber keyword arguments); the first is the
+# recogniser's default
+DECODINGS = {
+    "beam 5 (default)": {},
+    "beam 1": {"beam_size": 1},
+    "beam 5, digits prompt": {"initial_prompt": "Gate 7 at 4:30, room 12, flight 205."},
+    "beam 5, schedule prompt": {"initial_prompt": "Announcements of times, rooms, gates and "
+                                                  "names."},
+}
 
 
 def numbers_heard(reference: str, heard: str) -> bool:

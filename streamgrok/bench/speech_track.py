@@ -19,7 +19,7 @@ from streamgrok.bench.speech import word_error_rate as sentences_wer
 from streamgrok.media.samples import speak
 
 RATE = 16_000
-QUOTE = re.compile(r'^said: "(.*?)"(?: \(continues\))?$')
+QUOTE = re.compile(r'^said: "(.*?)"(?: \(unsure of: [^)]*\))?(?: \(continues\))?$')
 
 
 @dataclass(frozen=True)

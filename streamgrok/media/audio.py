@@ -183,18 +183,28 @@ class AudioObserver:
         return speech_notes(segment, transcript)
 
 
-def speech_notes(segment: SpeechSegment, transcript: Transcript) -> list[Note]:
+# a word heard with less probability than this is named as unsure in its note
+UNSURE = 0.4
+
+
+def speech_notes(segment: SpeechSegment, transcript: Transcript,
+                 unsure_below: float = UNSURE) -> list[Note]:
     """The notes a speech segment becomes: one per sentence it said, each at the time its
-    first word was heard, quoting it; "speech" alone when nothing was recognised."""
+    first word was heard, quoting it, with the words the recogniser was unsure of (word
+    probability under `unsure_below`) named after the quote; "speech" alone when nothing
+    was recognised."""
     sentences = transcript.sentences()
     if not sentences:
         return [Note(f"speech ({segment.end - segment.start:.1f} s)", segment.start,
                      modality=Modality.AUDIO, tags={"speech"})]
+    words = transcript.sentence_words() or [[]]
     notes = []
     for index, (offset, text) in enumerate(sentences):
         last = index == len(sentences) - 1
         goes_on = " (continues)" if last and segment.continues else ""
+        unsure = [w.text.strip(" .,!?") for w in words[index] if w.probability < unsure_below]
+        doubt = f" (unsure of: {', '.join(u for u in unsure if u)})" if any(unsure) else ""
         at = segment.start + min(max(offset, 0.0), segment.end - segment.start)
-        notes.append(Note(f'said: "{text}"{goes_on}', at,
+        notes.append(Note(f'said: "{text}"{doubt}{goes_on}', at,
                           modality=Modality.AUDIO, tags={"speech", "transcript"}))
     return notes

@@ -173,7 +173,7 @@ def split_words(words: tuple[Word, ...], start: float, seconds: float) -> Transc
     """The words whose middle falls within [start - gap/2, start + seconds + gap/2) of a
     packed window, timed from `start`."""
     half = GAP_S / 2
-    mine = tuple(Word(w.text, max(0.0, w.start - start), max(0.0, w.end - start))
+    mine = tuple(Word(w.text, max(0.0, w.start - start), max(0.0, w.end - start), w.probability)
                  for w in words if start - half <= (w.start + w.end) / 2 < start + seconds + half)
     return Transcript("".join(w.text for w in mine).strip(), mine)
 

@@ -30,6 +30,7 @@ class Word:
     text: str
     start: float
     end: float
+    probability: float = 1.0  # the recogniser's confidence in the word, 0-1
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,13 @@ class Transcript:
         whole text at 0 when there are no word times."""
         if not self.words:
             return [(0.0, self.text)] if self.text else []
-        sentences, current = [], []
+        return [(group[0].start, "".join(w.text for w in group).strip())
+                for group in self.sentence_words()]
+
+    def sentence_words(self) -> list[list[Word]]:
+        """The words of each sentence (none without word times)."""
+        sentences: list[list[Word]] = []
+        current: list[Word] = []
         for word in self.words:
             current.append(word)
             if word.text.rstrip().endswith((".", "!", "?")):
@@ -50,7 +57,7 @@ class Transcript:
                 current = []
         if current:
             sentences.append(current)
-        return [(group[0].start, "".join(w.text for w in group).strip()) for group in sentences]
+        return sentences
 
 
 class Transcriber(Protocol):
@@ -67,7 +74,7 @@ class WhisperTranscriber:
 
     def __init__(self, model: str = "base", threads: int = 1, device: str = "cpu",
                  compute_type: str = "int8", beam_size: int = 5,
-                 language: str | None = "en") -> None:
+                 language: str | None = "en", initial_prompt: str | None = None) -> None:
         from faster_whisper import WhisperModel
 
         self.name = f"whisper {model}"
@@ -81,6 +88,7 @@ class WhisperTranscriber:
                 "or a local faster-whisper folder") from exc
         self.beam_size = beam_size
         self.language = language
+        self.initial_prompt = initial_prompt
         self._lock = threading.Lock()  # one CTranslate2 worker: utterances take turns
 
     @staticmethod
@@ -104,9 +112,10 @@ class WhisperTranscriber:
             segments, _ = self.model.transcribe(
                 np.ascontiguousarray(samples, dtype=np.float32), language=self.language,
                 beam_size=self.beam_size, word_timestamps=True, vad_filter=False,
-                condition_on_previous_text=False, without_timestamps=False)
+                condition_on_previous_text=False, without_timestamps=False,
+                initial_prompt=self.initial_prompt)
             segments = list(segments)
-        words = tuple(Word(w.word, float(w.start), float(w.end))
+        words = tuple(Word(w.word, float(w.start), float(w.end), float(w.probability))
                       for s in segments for w in (s.words or ()))
         return Transcript("".join(s.text for s in segments).strip(), words)
 

@@ -24,6 +24,7 @@ from streamgrok.pipeline.question_kinds import (
     asked_kinds,
     named_things,
     said_form,
+    seen_form,
 )
 
 # words that ask about scene changes only when the question names nothing else that changed
@@ -73,10 +74,12 @@ TIMED = {"change": "scene cuts", "people": "people or faces came or went",
          "cat": "cats came or went", "text": "text on screen changed",
          "motion": "moving objects noted", "speech": "speech heard"}
 YES_NO = re.compile(r"^\s*(was|were|is|are|did|does|do|has|have|had|can|could)\b", re.I)
-QUOTE = re.compile(r'^said: "(.*)"( \(continues\))?$')  # audio.speech_notes
+QUOTE = re.compile(r'^said: "(.*)"( \(unsure of: [^)]*\))?( \(continues\))?$')  # speech_notes
 WHO = re.compile(r"^\s*who\b", re.I)
 HOW_MANY = re.compile(r"\bhow many\b", re.I)
 WHEN = re.compile(r"^\s*(when|at what time|what time)\b|\bhow long\b", re.I)
+WHEN_ASKED = re.compile(r"^\s*(when|(at )?what (time|moment|point|second))\b|\bhow long\b",
+                        re.I)  # "meaning": any way of asking for a time
 IN_VIEW = re.compile(r"\d+ (" + "|".join(sorted(PLURAL, key=len, reverse=True)) + r") "
                      r"(?:appeared|left) \((\d+|none) in view\)")  # observers.count_change
 
@@ -173,10 +176,10 @@ def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
 
 
 def unseen_things(question: str, kinds: list[str], log: NoteLog) -> list[str]:
-    """The objects and animals the question names that no note mentions (not for a
-    question about a display's or a speaker's words: "where do trains leave, per the
-    sign?")."""
-    if "text" in kinds or "speech" in kinds:
+    """The objects and animals a question about what was seen names that no note mentions
+    (not for a question about a display's or a speaker's words, "where do trains leave,
+    per the sign?", nor one that does not ask what was seen: "how late is the bus?")."""
+    if "text" in kinds or "speech" in kinds or not (seen_form(question) or kinds):
         return []
     return [thing for thing in named_things(question) if not mentioned(thing, log)]
 
@@ -199,10 +202,11 @@ def noted(topic: str, log: NoteLog) -> bool:
     return any(n.tags & TOPICS[topic][1] for n in log.notes)
 
 
-def timeline(question: str, topics: list[str], log: NoteLog) -> str | None:
-    """For a "when" question: the times of the notes on what it asks about, first to last
-    (only the first or the last where the question asks for it)."""
-    if not WHEN.search(question):
+def timeline(question: str, topics: list[str], log: NoteLog,
+             when: re.Pattern = WHEN) -> str | None:
+    """For a "when" question (as `when` finds them): the times of the notes on what it asks
+    about, first to last (only the first or the last where the question asks for it)."""
+    if not when.search(question):
         return None
     asked = set(WORD.findall(question.lower()))
     parts = []
@@ -237,14 +241,20 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
         notes = join_speech(relevant_notes(question, log))
         missing = [TOPICS[t][2] for t in topics if not noted(t, log)]
         times = timeline(question, topics, log)
+        form = _answer_form(question, topics)
     else:
         topics = asked_kinds(question)
-        times = None if said_form(question) else timeline(question, topics, log)
-        notes = join_speech(retrieve(question, topics, log, story_told=times is not None))
+        times = None if said_form(question) else timeline(question, topics, log, WHEN_ASKED)
+        asked = set(WORD.findall(question.lower()))
+        pick = ("first" if "first" in asked else "last" if "last" in asked else None) \
+            if times else None
+        notes = join_speech(retrieve(question, topics, log, story_told=times is not None,
+                                     pick=pick))
+        form = _answer_form(question, topics, quote_text=True)
         missing = [MISSING.get(t, TOPICS[t][2]) for t in topics if not noted(t, log)]
         missing += [f"no {thing} was seen" for thing in unseen_things(question, topics, log)]
     totals = counts(log, topics) if HOW_MANY.search(question) else None
-    ask = f"Using only these notes, answer in {_answer_form(question, topics)}: {question}"
+    ask = f"Using only these notes, answer in {form}: {question}"
     prompt = _layout(ask, notes, missing, totals, times)
     if room is None or count is None:
         return prompt
@@ -262,20 +272,25 @@ def join_speech(notes: list[LoggedNote], gap_s: float = 4.0) -> list[LoggedNote]
         before = joined[-1] if joined else None
         first = QUOTE.match(before.shown) if before else None
         second = QUOTE.match(note.shown) if "transcript" in note.tags else None
-        if first and second and "transcript" in before.tags and not first.group(2) \
+        if first and second and "transcript" in before.tags and not first.group(3) \
                 and 0 <= note.pts - before.pts <= gap_s:
-            text = f'said: "{first.group(1)} {second.group(1)}"{second.group(2) or ""}'
+            doubts = [m.group(2)[len(" (unsure of: "):-1] for m in (first, second) if m.group(2)]
+            doubt = f" (unsure of: {', '.join(doubts)})" if doubts else ""
+            text = f'said: "{first.group(1)} {second.group(1)}"{doubt}{second.group(3) or ""}'
             joined[-1] = replace(before, text=text, events=(Event(text, before.tags),))
         else:
             joined.append(note)
     return joined
 
 
-def _answer_form(question: str, topics: list[str]) -> str:
-    """What the answer should be: a short sentence, quoting the words for what was said,
-    from the words said for a plan or instruction, with the number for how many."""
+def _answer_form(question: str, topics: list[str], quote_text: bool = False) -> str:
+    """What the answer should be: a short sentence, quoting the words for what was said
+    (and with `quote_text`, the text for what was on screen), from the words said for a
+    plan or instruction, with the number for how many."""
     if "speech" in topics and "text" not in topics and not WHEN.search(question):
         return "one short sentence that quotes the words said"  # not a caption's words
+    if quote_text and topics[:1] == ["text"] and not WHEN_ASKED.search(question):
+        return "one short sentence that quotes the text on screen"
     if said_form(question):  # "when does the meeting start?": not when it was said
         return "one short sentence with what was said about it"
     if HOW_MANY.search(question):

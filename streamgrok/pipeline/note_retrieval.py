@@ -27,7 +27,7 @@ NEAR = 0.5  # notes scoring within this of the best are shown (a shorter note's 
 
 
 def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
-             story_told: bool = False) -> list[LoggedNote]:
+             story_told: bool = False, pick: str | None = None) -> list[LoggedNote]:
     """The notes `question` is answered from, the most relevant last (a small model answers
     from what is nearest the question), equally relevant ones in stream order: the best
     `limit` by kind and BM25 that score within `NEAR` of the best, each showing only its
@@ -36,7 +36,9 @@ def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
     they reach no note at all,
     the latest note of every kind too (each showing its events of that kind), and with no
     kind asked (or "what happened", unless `story_told`: the times are given), the recent
-    story."""
+    story. With `pick` "first" or "last" ("when was the first cut?") only the first (last)
+    note of each asked kind is kept among those of that kind: a small model asked for the
+    first of several answers with the nearest."""
     notes = list(log.notes)
     if not notes:
         return []
@@ -69,6 +71,12 @@ def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
     chosen = set(chosen) | set(recent)
     if not kinds or ("change" in kinds and not story_told):  # "what happened?"
         chosen |= set(range(max(0, len(notes) - limit), len(notes)))
+    if pick is not None:
+        for kind in kinds:
+            of_kind = [i for i, n in enumerate(notes) if n.tags & KIND_TAGS[kind]]
+            if of_kind:
+                keep = of_kind[0] if pick == "first" else of_kind[-1]
+                chosen = (chosen - set(of_kind)) | {keep}
     kept = sorted(chosen, key=lambda i: (score.get(i, 0.0), i))[-limit * 2:]
     return [replace(notes[i], events=shown[i]) if i in shown else notes[i] for i in kept]
 

@@ -90,6 +90,12 @@ def said_form(question: str) -> bool:
     return bool(SAID_FORMS.search(question))
 
 
+def seen_form(question: str) -> bool:
+    """Whether `question` asks about what the picture showed ("on screen", "seen",
+    "appear")."""
+    return bool(SEEN_FORMS.search(question))
+
+
 def named_things(question: str) -> list[str]:
     """The objects and animals `question` names (COCO classes and their common names), as
     written; not when it asks about what was said."""
