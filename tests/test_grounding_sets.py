@@ -122,3 +122,13 @@ def test_a_thing_named_in_a_question_not_about_the_picture_is_not_denied():
     log = busy_log()
     assert answer_stem("How many minutes late is the bus?", log) == ""
     assert answer_stem("Was a bus on screen?", log) == "No, I did not see a bus"
+
+
+def test_asked_what_to_do_the_instruction_is_nearest_the_question():
+    log = NoteLog()
+    log.add(Note('said: "Please take the stairs on the left."', 2.0,
+                 tags={"speech", "transcript"}))
+    log.add(Note('said: "The meeting starts at 4:30 in room 12."', 9.0,
+                 tags={"speech", "transcript"}))
+    notes = grounded_prompt("Where should visitors go?", log).split("\n\n")[0]
+    assert notes.splitlines()[-1].endswith('said: "Please take the stairs on the left."')

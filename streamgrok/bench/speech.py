@@ -75,6 +75,8 @@ NAMES = ("maria", "leeds", "patel", "daniel")
 DECODINGS = {
     "beam 5 (default)": {},
     "beam 1": {"beam_size": 1},
+    "beam 5, no temperature fallback": {"options": {"temperature": 0.0}},
+    "beam 5, patience 2": {"options": {"patience": 2.0}},
     "beam 5, digits prompt": {"initial_prompt": "Gate 7 at 4:30, room 12, flight 205."},
     "beam 5, schedule prompt": {"initial_prompt": "Announcements of times, rooms, gates and "
                                                   "names."},
@@ -92,6 +94,7 @@ def numbers_heard(reference: str, heard: str) -> bool:
 def speech_numbers_bench(decodings: dict[str, dict], threads: int = 1) -> dict:
     """Numbers (and names) heard right, WER and real-time factor of Whisper base under each
     decoding option (faster-whisper keyword arguments), on the same espeak-ng audio."""
+    from streamgrok.media.audio import UNSURE
     from streamgrok.media.transcribers import WhisperTranscriber
 
     clips = [(text, speak(text, voice=voice, speed=speed))
@@ -108,19 +111,33 @@ def speech_numbers_bench(decodings: dict[str, dict], threads: int = 1) -> dict:
         recogniser = WhisperTranscriber("base", threads=threads, **options)
         recogniser.transcribe(clips[0][1], 16_000)  # warm up
         started = time.perf_counter()
-        heard = [recogniser.transcribe(samples, 16_000).text for _, samples in clips]
+        heard = [recogniser.transcribe(samples, 16_000) for _, samples in clips]
         seconds = time.perf_counter() - started
-        right = sum(numbers_heard(text, said) for (text, _), said in zip(clips, heard))
-        named = [(name, said) for (text, _), said in zip(clips, heard)
+        right = [numbers_heard(text, said.text) for (text, _), said in zip(clips, heard)]
+        named = [(name, said.text) for (text, _), said in zip(clips, heard)
                  for name in NAMES if name in text.lower()]
         names = sum(name in said.lower() for name, said in named)
-        wer = word_error_rate([t for t, _ in clips], heard)
-        results[label] = {"numbers": right / len(clips), "names": names / max(1, len(named)),
+        wer = word_error_rate([_digits_spelled(t) for t, _ in clips],
+                              [_digits_spelled(said.text) for said in heard])
+        flagged = [any(w.probability < UNSURE for w in said.words) for said in heard]
+        wrong_flagged = sum(f for f, ok in zip(flagged, right) if not ok)
+        right_flagged = sum(f for f, ok in zip(flagged, right) if ok)
+        n_right = sum(right)
+        results[label] = {"numbers": n_right / len(clips), "names": names / max(1, len(named)),
                           "wer": wer, "rtf": seconds / audio_s}
-        print(f"  {label:<28} numbers {right}/{len(clips)} ({right / len(clips):.0%}), "
+        print(f"  {label:<28} numbers {n_right}/{len(clips)} ({n_right / len(clips):.0%}), "
               f"names {names}/{len(named)}, WER {wer:.1%}, real-time factor "
-              f"{seconds / audio_s:.3f}")
-        for (text, _), said in zip(clips, heard):
-            if not numbers_heard(text, said):
-                print(f"      {text!r} -> {said!r}")
+              f"{seconds / audio_s:.3f}; a word noted unsure (p < {UNSURE}) in "
+              f"{wrong_flagged}/{len(clips) - n_right} sentences with a number misheard, "
+              f"{right_flagged}/{n_right} heard right")
+        for (text, _), said, ok in zip(clips, heard, right):
+            if not ok:
+                print(f"      {text!r} -> {said.text!r}")
     return results
+
+
+def _digits_spelled(text: str) -> str:
+    """Numbers as digits, so WER counts words misheard, not "four thirty" against "4:30"."""
+    from text_to_num import alpha2digit
+
+    return alpha2digit(text.replace(":", " "), "en")

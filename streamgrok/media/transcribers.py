@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -74,7 +74,8 @@ class WhisperTranscriber:
 
     def __init__(self, model: str = "base", threads: int = 1, device: str = "cpu",
                  compute_type: str = "int8", beam_size: int = 5,
-                 language: str | None = "en", initial_prompt: str | None = None) -> None:
+                 language: str | None = "en", initial_prompt: str | None = None,
+                 options: dict[str, Any] | None = None) -> None:
         from faster_whisper import WhisperModel
 
         self.name = f"whisper {model}"
@@ -89,6 +90,7 @@ class WhisperTranscriber:
         self.beam_size = beam_size
         self.language = language
         self.initial_prompt = initial_prompt
+        self.options = dict(options or {})  # further faster-whisper transcribe() options
         self._lock = threading.Lock()  # one CTranslate2 worker: utterances take turns
 
     @staticmethod
@@ -113,7 +115,7 @@ class WhisperTranscriber:
                 np.ascontiguousarray(samples, dtype=np.float32), language=self.language,
                 beam_size=self.beam_size, word_timestamps=True, vad_filter=False,
                 condition_on_previous_text=False, without_timestamps=False,
-                initial_prompt=self.initial_prompt)
+                initial_prompt=self.initial_prompt, **self.options)
             segments = list(segments)
         words = tuple(Word(w.word, float(w.start), float(w.end), float(w.probability))
                       for s in segments for w in (s.words or ()))

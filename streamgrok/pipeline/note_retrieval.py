@@ -4,9 +4,10 @@ Each event of each note is a document of its stemmed content words; a question's
 against them (`bm25s`, Lucene's weighting: a word in every note still counts a little) finds
 the notes that share its rarer words, and the question's kinds (`question_kinds`) find the
 notes that answer it in other words. Where its words reach nothing of a kind it asks about,
-the latest notes of that kind go in; where they reach nothing at all, the latest note of
-every kind, so a question whose words and form both miss its note ("what is going on?")
-still sees what was last said, read, seen come and go, and moving.
+the latest notes of that kind go in; where they reach nothing at all and no note is of a
+kind it asks about, the latest note of every kind, so a question whose words and form both
+miss its note ("what is going on?") still sees what was last said, read, seen come and go,
+and moving.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import replace
 import bm25s
 
 from streamgrok.pipeline.note_log import Event, LoggedNote, NoteLog
+from streamgrok.pipeline.question_kinds import asks_what_to_do, instruction
 
 KIND_TAGS = {"speech": frozenset({"transcript", "speech"}),
              "people": frozenset({"person", "face"}), "cat": frozenset({"cat"}),
@@ -23,6 +25,7 @@ KIND_TAGS = {"speech": frozenset({"transcript", "speech"}),
              "motion": frozenset({"motion"}), "change": frozenset({"cut"})}
 LATEST_PER_KIND = 2  # of an asked kind: the latest notes, even with no word in common
 ON_KIND = 2.0  # an event of an asked kind scores this, plus its BM25 score scaled to 0-2
+INSTRUCTED = 1.0  # what an instruction adds for a question asking what to do
 NEAR = 0.5  # notes scoring within this of the best are shown (a shorter note's BM25 is higher)
 
 
@@ -33,7 +36,7 @@ def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
     `limit` by kind and BM25 that score within `NEAR` of the best, each showing only its
     best events among those of the asked kinds. Where the question's words reach no note
     of a kind it asks about, the latest `LATEST_PER_KIND` notes of that kind go in; where
-    they reach no note at all,
+    they reach no note at all and no note is of an asked kind,
     the latest note of every kind too (each showing its events of that kind), and with no
     kind asked (or "what happened", unless `story_told`: the times are given), the recent
     story. With `pick` "first" or "last" ("when was the first cut?") only the first (last)
@@ -60,7 +63,7 @@ def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
             on_kind = [i for i, n in enumerate(notes) if n.tags & KIND_TAGS[kind]]
             for i in on_kind[-LATEST_PER_KIND:]:
                 recent[i] = recent.get(i, frozenset()) | KIND_TAGS[kind]
-    if not reached:
+    if not reached and not recent:  # nothing found by word or kind: the latest of each
         for tags in KIND_TAGS.values():
             last = [i for i, n in enumerate(notes) if n.tags & tags][-1:]
             for i in last:
@@ -94,7 +97,8 @@ def _score_events(question: str, wanted: frozenset[str],
                   log: NoteLog) -> list[tuple[int, Event, float, bool]]:
     """(note index, event, score, whether the question's words reach it) for every event:
     `ON_KIND` for an asked kind plus its BM25 score against the question, scaled so the best
-    event's is 2."""
+    event's is 2, plus `INSTRUCTED` for a sentence that says what to do where the question
+    asks it ("where should visitors go?": "please take the stairs on the left")."""
     events = [(i, event) for i, note in enumerate(log.notes) for event in note.events]
     asked = sorted(log.words(question))
     bm25 = [0.0] * len(events)
@@ -103,5 +107,7 @@ def _score_events(question: str, wanted: frozenset[str],
         index.index([sorted(event.words) or ["-"] for _, event in events], show_progress=False)
         bm25 = [float(v) for v in index.get_scores(asked)]
     top = max(bm25, default=0.0)
-    return [(i, event, ON_KIND * bool(event.tags & wanted) + (2.0 * b / top if top > 0 else 0),
+    to_do = asks_what_to_do(question)
+    return [(i, event, ON_KIND * bool(event.tags & wanted) + (2.0 * b / top if top > 0 else 0)
+             + INSTRUCTED * (to_do and "transcript" in event.tags and instruction(event.text)),
              b > 0) for (i, event), b in zip(events, bm25)]

@@ -64,6 +64,14 @@ SAID_FORMS = re.compile(
 SEEN_FORMS = re.compile(r"\b(screen|picture|view|visible|seen|see|saw|shown|show|camera|"
                         r"appear|appeared|display|displayed|frame)\b", re.I)
 WORD = re.compile(r"[a-z]+")
+# a question asking what to do ("where should visitors go?") is answered by an instruction
+INSTRUCTION_QUESTION = re.compile(
+    r"\b(should|must|supposed to|need to|have to|has to|asked to|told to)\b", re.I)
+# an instruction: a sentence that begins with "please" or a verb of what to do
+IMPERATIVE = re.compile(
+    r'^(said: ")?(please|kindly|do not|don\'t|never|always|take|go|use|turn|head|follow|'
+    r"wait|come|keep|move|stay|leave|call|proceed|exit|walk|make|remember|bring|ask|stand|"
+    r"sit|remain|report|return|check|avoid|mind)\b", re.I)
 
 
 def asked_kinds(question: str) -> list[str]:
@@ -88,6 +96,16 @@ def asked_kinds(question: str) -> list[str]:
 def said_form(question: str) -> bool:
     """Whether only what was said can answer `question` (instructions, plans, names)."""
     return bool(SAID_FORMS.search(question))
+
+
+def asks_what_to_do(question: str) -> bool:
+    """Whether `question` asks what someone should do (an instruction answers it)."""
+    return bool(INSTRUCTION_QUESTION.search(question))
+
+
+def instruction(sentence: str) -> bool:
+    """Whether `sentence` (or a note quoting it) tells someone what to do."""
+    return bool(IMPERATIVE.search(sentence.strip()))
 
 
 def seen_form(question: str) -> bool:
