@@ -30,4 +30,7 @@ def build_pipeline(options: dict) -> Pipeline:
         # server configuration: what questions are answered over, "notes" or "stream"
         # (default: notes for a text model, see Pipeline.answer_context)
         answer_context=option(options, "answer_context", None, str),
+        # server configuration: how a question's notes are chosen, "meaning" (kinds, BM25,
+        # recency; says what was not observed) or "words" (shared word stems only)
+        note_selection=option(options, "note_selection", "meaning", str),
     )
