@@ -273,9 +273,9 @@ def test_where_the_notes_decide_an_answer_it_is_given_its_first_words(selection)
         assert stem("Did a car drive past?") == "No, I did not see a car"
         assert stem("Where should the car park?") == ""  # what was said decides
         assert stem("What did the speaker say?", NoteLog()) == "I did not hear anyone speak"
-    seen = "" if selection == "words" else "Yes"  # one was noted
-    assert stem("Was there a person on screen?") == seen
-    assert stem("Did anyone speak?") == seen
+    words = selection == "words"
+    assert stem("Was there a person on screen?") == ("" if words else "Yes, I saw a person")
+    assert stem("Did anyone speak?") == ("" if words else "Yes, I heard someone speak")
     assert stem("Did anyone speak about the weather?") == ""  # the model reads the notes
     assert stem("What was said?") == ""  # the model words it
     assert stem("How many faces were seen?") == ""  # the totals say

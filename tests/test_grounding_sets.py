@@ -54,7 +54,8 @@ def test_an_absent_answer_says_so_or_is_counted_as_invented():
 
 
 @pytest.mark.parametrize(("question", "kinds"), [
-    ("Where should visitors go?", ["speech"]),  # an instruction: only said
+    ("Where should visitors go?", ["speech", "text"]),  # an instruction: said or posted
+    ("What did the announcement say?", ["speech"]),
     ("Who introduced themselves?", ["speech"]),
     ("What did the sign say?", ["text", "speech"]),
     ("Did anybody show up in the picture?", ["people"]),
@@ -132,3 +133,13 @@ def test_asked_what_to_do_the_instruction_is_nearest_the_question():
                  tags={"speech", "transcript"}))
     notes = grounded_prompt("Where should visitors go?", log).split("\n\n")[0]
     assert notes.splitlines()[-1].endswith('said: "Please take the stairs on the left."')
+
+
+def test_asked_what_a_sign_said_the_sign_is_shown_not_that_it_went():
+    log = NoteLog()
+    log.add(Note('text on screen: "PLATFORM 3"', 10.0, tags={"text"}))
+    log.add(Note("the text on screen is gone", 14.0, tags={"text"}))
+    prompt = grounded_prompt("Where do trains depart from, per the display?", log)
+    assert "PLATFORM 3" in prompt and "gone" not in prompt
+    when = grounded_prompt("When did the sign disappear?", log)
+    assert "at 14 seconds: the text on screen is gone" in when

@@ -34,13 +34,19 @@ DIRECTIONS = {"left to right": (("left to right", "to the right", "rightwards"),
               "right to left": (("right to left", "to the left", "leftwards"),),
               "downwards": (("down", "downwards", "top to bottom"),),
               "upwards": (("up", "upwards", "bottom to top"),)}
-SIGNS = (  # caption, what it says (facts), a question in other words
-    ("EXIT 42", (("exit",), ("42",)), "Which way out was marked, and with what number?"),
-    ("PLATFORM 3", (("platform",), ("3",)), "Where do trains depart from, per the display?"),
-    ("NO PARKING", (("parking",),), "What is forbidden here, according to the display?"),
-    ("SALE 50%", (("sale", "discount", "off"), ("50",)), "What offer did the display announce?"),
-    ("ROOM 18", (("room",), ("18",)), "Which numbered place did the display show?"),
-    ("OPEN 24 HOURS", (("open",), ("24",)), "How long does the business stay available?"),
+SIGNS = (  # caption, what it says (facts), a question in other words, what answers that
+    ("EXIT 42", (("exit",), ("42",)), "Which way out was marked, and with what number?",
+     (("exit", "way out"), ("42",))),
+    ("PLATFORM 3", (("platform",), ("3",)), "Where do trains depart from, per the display?",
+     (("platform",), ("3",))),
+    ("NO PARKING", (("parking",),), "What is forbidden here, according to the display?",
+     (("parking",),)),
+    ("SALE 50%", (("sale",), ("50",)), "What offer did the display announce?",
+     (("sale", "discount", "off"), ("50",))),
+    ("ROOM 18", (("room",), ("18",)), "Which numbered place did the display show?",
+     (("room",), ("18",))),
+    ("OPEN 24 HOURS", (("open",), ("24",)), "How long does the business stay available?",
+     (("24",),)),
 )
 
 
@@ -133,10 +139,10 @@ def generated_clip(rng: random.Random, index: int) -> Clip:
             scenes.append(Scene(photo, 6.0, speech=said.sentence, voice=voice, speed=speed))
             pair, source = (said.direct, said.paraphrase), f'said: "{said.sentence}"'
         elif kind == "text":
-            caption, facts, other = rng.choice(SIGNS)
+            caption, facts, other, other_facts = rng.choice(SIGNS)
             scenes.append(Scene(photo, 4.0, caption=caption))
             pair = (Question("What text was shown on screen?", "text", facts),
-                    Question(other, "text", facts))
+                    Question(other, "text", other_facts))
             source = f'text on screen: "{caption}"'
         elif kind == "person":
             scenes.append(Scene(photo, 7.0, person_from=1.5, person_until=5.5))

@@ -23,6 +23,7 @@ from streamgrok.pipeline.question_kinds import (
     article,
     asked_kinds,
     named_things,
+    plan_form,
     said_form,
     seen_form,
 )
@@ -59,6 +60,9 @@ MISSING = {"cat": "no animal was seen"}
 NOT_OBSERVED = {"speech": "I did not hear anyone speak", "people": "I did not see anyone",
                 "cat": "I did not see an animal", "text": "I did not see any text",
                 "motion": "I did not see anything move", "colour": "I did not see any colours"}
+OBSERVED = {"speech": "Yes, I heard someone speak", "people": "Yes, I saw a person",
+            "cat": "Yes, I saw an animal", "text": "Yes, I saw text on screen",
+            "motion": "Yes, I saw something move", "colour": "Yes, I saw colours"}
 SELECTIONS = ("meaning", "words")
 # the words of a yes/no question that asks only whether something was there
 PRESENCE_WORDS = frozenset(
@@ -170,8 +174,10 @@ def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
         return ""
     if WHO.search(question) and kinds[0] == "people":
         return "A person" if noted("people", log) else "No one"
+    if plan_form(question) and any(noted(k, log) for k in ("speech", "text")):
+        return ""  # a plan or schedule may be on a sign as well as said
     if noted(kinds[0], log):
-        return "Yes" if yes_no and only_presence(question, kinds[0]) else ""
+        return OBSERVED[kinds[0]] if yes_no and only_presence(question, kinds[0]) else ""
     return yes_no + NOT_OBSERVED[kinds[0]]
 
 
@@ -249,18 +255,23 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
         pick = ("first" if "first" in asked else "last" if "last" in asked else None) \
             if times else None
         notes = join_speech(retrieve(question, topics, log, story_told=times is not None,
-                                     pick=pick))
+                                     pick=pick, quotes_first=not WHEN_ASKED.search(question)))
         form = _answer_form(question, topics, quote_text=True)
         missing = [MISSING.get(t, TOPICS[t][2]) for t in topics if not noted(t, log)]
+        if plan_form(question) and len(missing) < 2:  # said or posted: one is enough
+            missing = []
         missing += [f"no {thing} was seen" for thing in unseen_things(question, topics, log)]
     totals = counts(log, topics) if HOW_MANY.search(question) else None
     ask = f"Using only these notes, answer in {form}: {question}"
-    prompt = _layout(ask, notes, missing, totals, times)
+    # a plan's or a schedule's notes without their times: a small model asked when the
+    # store closes answers with the time the sentence was heard
+    timed = selection == "words" or not plan_form(question)
+    prompt = _layout(ask, notes, missing, totals, times, timed)
     if room is None or count is None:
         return prompt
     while notes and count(prompt) > room:  # the least relevant go first
         notes = notes[1:]
-        prompt = _layout(ask, notes, missing, totals, times)
+        prompt = _layout(ask, notes, missing, totals, times, timed)
     return prompt if count(prompt) <= room else question
 
 
@@ -291,7 +302,9 @@ def _answer_form(question: str, topics: list[str], quote_text: bool = False) -> 
         return "one short sentence that quotes the words said"  # not a caption's words
     if quote_text and topics[:1] == ["text"] and not WHEN_ASKED.search(question):
         return "one short sentence that quotes the text on screen"
-    if said_form(question):  # "when does the meeting start?": not when it was said
+    if plan_form(question):  # "when does the meeting start?": not when it was said
+        return "one short sentence with what was said or shown about it"
+    if said_form(question):
         return "one short sentence with what was said about it"
     if HOW_MANY.search(question):
         return "one short sentence with the number"
@@ -299,9 +312,9 @@ def _answer_form(question: str, topics: list[str], quote_text: bool = False) -> 
 
 
 def _layout(ask: str, notes: list[LoggedNote], missing: list[str],
-            totals: str | None, times: str | None = None) -> str:
+            totals: str | None, times: str | None = None, timed: bool = True) -> str:
     lines = ["Notes (time, what was seen or heard):"]
-    lines += [note.line() for note in notes] or ["- nothing seen or heard yet"]
+    lines += [note.line(timed) for note in notes] or ["- nothing seen or heard yet"]
     if missing:
         lines.append("- never: " + "; ".join(missing))
     if totals:

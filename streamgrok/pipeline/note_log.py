@@ -42,8 +42,9 @@ class LoggedNote:
         """The text of the events it shows."""
         return "; ".join(event.text for event in self.events)
 
-    def line(self) -> str:
-        return f"- at {self.pts:.0f} seconds: {self.shown}"
+    def line(self, timed: bool = True) -> str:
+        """The note as a prompt line, with its time unless `timed` is False."""
+        return f"- at {self.pts:.0f} seconds: {self.shown}" if timed else f"- {self.shown}"
 
 
 class NoteLog:

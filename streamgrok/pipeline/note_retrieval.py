@@ -25,28 +25,36 @@ KIND_TAGS = {"speech": frozenset({"transcript", "speech"}),
              "motion": frozenset({"motion"}), "change": frozenset({"cut"})}
 LATEST_PER_KIND = 2  # of an asked kind: the latest notes, even with no word in common
 ON_KIND = 2.0  # an event of an asked kind scores this, plus its BM25 score scaled to 0-2
+QUOTED = 1.0  # what a quote adds, where the words are asked for
 INSTRUCTED = 1.0  # what an instruction adds for a question asking what to do
 NEAR = 0.5  # notes scoring within this of the best are shown (a shorter note's BM25 is higher)
 
 
 def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
-             story_told: bool = False, pick: str | None = None) -> list[LoggedNote]:
+             story_told: bool = False, pick: str | None = None,
+             quotes_first: bool = False) -> list[LoggedNote]:
     """The notes `question` is answered from, the most relevant last (a small model answers
-    from what is nearest the question), equally relevant ones in stream order: the best
-    `limit` by kind and BM25 that score within `NEAR` of the best, each showing only its
-    best events among those of the asked kinds. Where the question's words reach no note
-    of a kind it asks about, the latest `LATEST_PER_KIND` notes of that kind go in; where
-    they reach no note at all and no note is of an asked kind,
-    the latest note of every kind too (each showing its events of that kind), and with no
-    kind asked (or "what happened", unless `story_told`: the times are given), the recent
-    story. With `pick` "first" or "last" ("when was the first cut?") only the first (last)
-    note of each asked kind is kept among those of that kind: a small model asked for the
-    first of several answers with the nearest."""
+    from what is nearest the question), equally relevant ones in stream order.
+
+    - The best `limit` by kind and BM25 that score within `NEAR` of the best, each showing
+      only its best events among those of the asked kinds.
+    - Where the question's words reach no note of a kind it asks about, the latest
+      `LATEST_PER_KIND` notes of that kind (those that quote what was said or read, where
+      the kind has them).
+    - Where they reach no note at all and no note is of an asked kind, the latest note of
+      every kind (each showing its events of that kind).
+    - With no kind asked and no word found (or "what happened", unless `story_told`: the
+      times are given), the recent story.
+
+    With `quotes_first` an event that quotes what was said or read outranks one of the same
+    kind that does not ("the text on screen is gone"). With `pick` "first" or "last" ("when
+    was the first cut?") only the first (last) note of each asked kind is kept among those
+    of that kind: a small model asked for the first of several answers with the nearest."""
     notes = list(log.notes)
     if not notes:
         return []
     wanted = frozenset().union(*(KIND_TAGS[k] for k in kinds))
-    scored = _score_events(question, wanted, log)
+    scored = _score_events(question, wanted, log, quotes_first)
     by_note: dict[int, list[tuple[Event, float]]] = {}
     for index, event, value, _ in scored:
         if value > 0:
@@ -61,7 +69,8 @@ def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
     for kind in kinds:
         if not reached & KIND_TAGS[kind]:
             on_kind = [i for i, n in enumerate(notes) if n.tags & KIND_TAGS[kind]]
-            for i in on_kind[-LATEST_PER_KIND:]:
+            quoting = [i for i in on_kind if '"' in notes[i].text]  # what was said or read
+            for i in (quoting or on_kind)[-LATEST_PER_KIND:]:
                 recent[i] = recent.get(i, frozenset()) | KIND_TAGS[kind]
     if not reached and not recent:  # nothing found by word or kind: the latest of each
         for tags in KIND_TAGS.values():
@@ -72,7 +81,7 @@ def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
         if i not in shown:
             shown[i] = tuple(e for e in notes[i].events if e.tags & tags) or notes[i].events
     chosen = set(chosen) | set(recent)
-    if not kinds or ("change" in kinds and not story_told):  # "what happened?"
+    if (not kinds and not reached) or ("change" in kinds and not story_told):  # "what happened?"
         chosen |= set(range(max(0, len(notes) - limit), len(notes)))
     if pick is not None:
         for kind in kinds:
@@ -93,12 +102,13 @@ def _best_events(events: list[tuple[Event, float]], wanted: frozenset[str]) -> t
     return tuple(e for e, v in on_kind if v >= top)
 
 
-def _score_events(question: str, wanted: frozenset[str],
-                  log: NoteLog) -> list[tuple[int, Event, float, bool]]:
+def _score_events(question: str, wanted: frozenset[str], log: NoteLog,
+                  quotes_first: bool = False) -> list[tuple[int, Event, float, bool]]:
     """(note index, event, score, whether the question's words reach it) for every event:
     `ON_KIND` for an asked kind plus its BM25 score against the question, scaled so the best
     event's is 2, plus `INSTRUCTED` for a sentence that says what to do where the question
-    asks it ("where should visitors go?": "please take the stairs on the left")."""
+    asks it ("where should visitors go?": "please take the stairs on the left"), plus
+    `QUOTED` for an event of an asked kind that quotes words, with `quotes_first`."""
     events = [(i, event) for i, note in enumerate(log.notes) for event in note.events]
     asked = sorted(log.words(question))
     bm25 = [0.0] * len(events)
@@ -109,5 +119,6 @@ def _score_events(question: str, wanted: frozenset[str],
     top = max(bm25, default=0.0)
     to_do = asks_what_to_do(question)
     return [(i, event, ON_KIND * bool(event.tags & wanted) + (2.0 * b / top if top > 0 else 0)
-             + INSTRUCTED * (to_do and "transcript" in event.tags and instruction(event.text)),
+             + INSTRUCTED * (to_do and "transcript" in event.tags and instruction(event.text))
+             + QUOTED * (quotes_first and bool(event.tags & wanted) and '"' in event.text),
              b > 0) for (i, event), b in zip(events, bm25)]

@@ -52,13 +52,16 @@ CUES: dict[str, frozenset[str]] = {
         "cut cuts scene scenes switch switched change changed changes happen happened "
         "events".split()),
 }
-# the forms of a question that only what was said can answer: instructions, plans,
-# schedules, names
-SAID_FORMS = re.compile(
+# the forms of a question that nothing seen answers, only what was said or posted:
+# instructions, plans, schedules
+PLAN_FORMS = re.compile(
     r"\b(should|must|shall|supposed to|will|going to|need to|have to)\b"
     r"|\bwhen (does|do|is|are)\b|\b(until|by|at) what (hour|time)\b"
-    r"|\bwhat time (does|do|is|are)\b|\bhow long (is|does|do|will)\b|\bhow late\b|\bdelay"
-    r"|\bintroduc|\bcalled\b|\bname\b|\bannounc|\bwhat did (he|she|they|the \w+) "
+    r"|\bwhat time (does|do|is|are)\b|\bhow long (is|does|do|will)\b|\bhow late\b|\bdelay",
+    re.I)
+# ... and those about the words someone said: names, announcements
+WORDS_FORMS = re.compile(
+    r"\bintroduc|\bcalled\b|\bname\b|\bannounc|\bwhat did (he|she|they|the \w+) "
     r"(ask|want|need|say|mention|tell)", re.I)
 # what the picture shows, by its look (not asked of what was said)
 SEEN_FORMS = re.compile(r"\b(screen|picture|view|visible|seen|see|saw|shown|show|camera|"
@@ -76,13 +79,16 @@ IMPERATIVE = re.compile(
 
 def asked_kinds(question: str) -> list[str]:
     """The kinds of note that answer `question`, the one it names most directly first: a
-    said-form question is about speech (text first, when it names a display or sign),
-    whatever people it names;
+    plan or schedule is about speech and text (it is said or posted), a question about
+    someone's words is about speech (text first, either way, when it names a display or
+    sign), whatever people it names;
     otherwise the kinds its words name. "left"/"right" alone do not make a question about
     motion when it names another kind ("the stairs on the left")."""
     words = set(WORD.findall(question.lower()))
     kinds = [name for name, cues in CUES.items() if words & cues]
-    if SAID_FORMS.search(question):  # a sign "says" too: the display first where named
+    if plan_form(question):  # said or posted: the display first where named
+        kinds = ["text", "speech"] if "text" in kinds else ["speech", "text"]
+    elif WORDS_FORMS.search(question):  # a sign "says" too: the display first where named
         kinds = [k for k in kinds if k == "text"] + ["speech"]
     elif "motion" in kinds and not words & (CUES["motion"] - {"left", "right"}):
         kinds.remove("motion")
@@ -94,8 +100,15 @@ def asked_kinds(question: str) -> list[str]:
 
 
 def said_form(question: str) -> bool:
-    """Whether only what was said can answer `question` (instructions, plans, names)."""
-    return bool(SAID_FORMS.search(question))
+    """Whether only what was said (or posted) can answer `question`: instructions, plans,
+    schedules, names, announcements."""
+    return plan_form(question) or bool(WORDS_FORMS.search(question))
+
+
+def plan_form(question: str) -> bool:
+    """Whether `question` asks for an instruction, a plan or a schedule ("when does the
+    store close?", "where should visitors go?")."""
+    return bool(PLAN_FORMS.search(question))
 
 
 def asks_what_to_do(question: str) -> bool:
