@@ -33,21 +33,34 @@ def word_error_rate(references: list[str], heard: list[str]) -> float:
                      hypothesis_transform=transform)
 
 
+def spoken(sentences: list[str], voices: list[tuple[str, int]]) -> list | None:
+    """(sentence, 16 kHz samples) for every sentence in every (voice, words a minute);
+    None without espeak-ng."""
+    clips = [(text, speak(text, voice=voice, speed=speed))
+             for text in sentences for voice, speed in voices]
+    return None if clips[0][1] is None else clips
+
+
+def timed_transcripts(recogniser, clips: list) -> tuple[list, float]:
+    """What `recogniser` heard in each clip, and the seconds it took (after one warm-up)."""
+    recogniser.transcribe(clips[0][1], 16_000)
+    started = time.perf_counter()
+    heard = [recogniser.transcribe(samples, 16_000) for _, samples in clips]
+    return heard, time.perf_counter() - started
+
+
 def speech_bench(recognisers: tuple[str, ...] = ("pocketsphinx", "base")) -> dict:
     """WER and RTF per recogniser on the same audio, one thread each."""
-    clips = [(text, speak(text, voice=voice, speed=speed))
-             for text in SENTENCES for voice, speed in VOICES]
-    if clips[0][1] is None:
+    clips = spoken(SENTENCES, VOICES)
+    if clips is None:
         print("speech     espeak-ng is not installed: recogniser part skipped")
         return {}
     audio_s = sum(len(samples) for _, samples in clips) / 16_000
     results = {}
     for name in recognisers:
         recogniser = load_transcriber(name)
-        recogniser.transcribe(clips[0][1], 16_000)  # warm up
-        started = time.perf_counter()
-        heard = [recogniser.transcribe(samples, 16_000).text for _, samples in clips]
-        seconds = time.perf_counter() - started
+        transcripts, seconds = timed_transcripts(recogniser, clips)
+        heard = [t.text for t in transcripts]
         wer = word_error_rate([t for t, _ in clips], heard)
         results[f"wer_{name}"], results[f"rtf_{name}"] = wer, seconds / audio_s
         print(f"speech     {recogniser.name:<14} WER {wer:6.1%} on {len(clips)} sentences "
@@ -97,9 +110,8 @@ def speech_numbers_bench(decodings: dict[str, dict], threads: int = 1) -> dict:
     from streamgrok.media.audio import UNSURE
     from streamgrok.media.transcribers import WhisperTranscriber
 
-    clips = [(text, speak(text, voice=voice, speed=speed))
-             for text in NUMBER_SENTENCES for voice, speed in NUMBER_VOICES]
-    if clips[0][1] is None:
+    clips = spoken(NUMBER_SENTENCES, NUMBER_VOICES)
+    if clips is None:
         print("speech     espeak-ng is not installed: nothing to measure")
         return {}
     audio_s = sum(len(samples) for _, samples in clips) / 16_000
@@ -108,11 +120,8 @@ def speech_numbers_bench(decodings: dict[str, dict], threads: int = 1) -> dict:
           f"({', '.join(f'{v} {s} wpm' for v, s in NUMBER_VOICES)}), {audio_s:.0f} s of audio, "
           f"Whisper base int8, {threads} thread(s)")
     for label, options in decodings.items():
-        recogniser = WhisperTranscriber("base", threads=threads, **options)
-        recogniser.transcribe(clips[0][1], 16_000)  # warm up
-        started = time.perf_counter()
-        heard = [recogniser.transcribe(samples, 16_000) for _, samples in clips]
-        seconds = time.perf_counter() - started
+        heard, seconds = timed_transcripts(
+            WhisperTranscriber("base", threads=threads, **options), clips)
         right = [numbers_heard(text, said.text) for (text, _), said in zip(clips, heard)]
         named = [(name, said.text) for (text, _), said in zip(clips, heard)
                  for name in NAMES if name in text.lower()]
@@ -133,7 +142,22 @@ def speech_numbers_bench(decodings: dict[str, dict], threads: int = 1) -> dict:
         for (text, _), said, ok in zip(clips, heard, right):
             if not ok:
                 print(f"      {text!r} -> {said.text!r}")
+        if label == next(iter(decodings)):  # the default
+            _unsure_sweep(heard, right)
     return results
+
+
+def _unsure_sweep(heard: list, right: list[bool]) -> None:
+    """How often a word is noted unsure at each probability threshold, in sentences whose
+    numbers were misheard and in those heard right (the note's threshold is chosen here)."""
+    wrong = len(right) - sum(right)
+    words = sum(len(t.words) for t in heard)
+    for threshold in (0.1, 0.2, 0.3, 0.4, 0.5):
+        flagged = [any(w.probability < threshold for w in t.words) for t in heard]
+        print(f"      unsure below {threshold}: {sum(f for f, ok in zip(flagged, right) if not ok)}"
+              f"/{wrong} misheard sentences, {sum(f for f, ok in zip(flagged, right) if ok)}"
+              f"/{sum(right)} right ones, "
+              f"{sum(w.probability < threshold for t in heard for w in t.words)}/{words} words")
 
 
 def _digits_spelled(text: str) -> str:

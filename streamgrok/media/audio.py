@@ -184,7 +184,7 @@ class AudioObserver:
 
 
 # a word heard with less probability than this is named as unsure in its note
-UNSURE = 0.4
+UNSURE = 0.3
 
 
 def speech_notes(segment: SpeechSegment, transcript: Transcript,
