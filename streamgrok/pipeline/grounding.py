@@ -1,12 +1,14 @@
 """Grounded questions: the notes that bear on a question are restated beside it.
 
 A small model answers from what sits next to the question far better than from notes spread
-over thousands of tokens of context. `NoteLog` keeps a session's notes (bounded: the oldest
-go first); `grounded_prompt` picks the notes that share words or a topic with the question
-(what was said, who was seen, text, colours, motion, cuts), or the latest one when none does,
-the most relevant nearest the question, adds the times of what a "when" question asks about and the
-totals a "how many" question needs, and says plainly when nothing was seen or heard of what
-the question asks, so the model has a true answer to give instead of an invented one.
+over thousands of tokens of context. `grounded_prompt` picks a question's notes from the
+session's `NoteLog`, by meaning (`note_retrieval`: the kinds of note the question asks about,
+BM25, recency) or, as `selection="words"`, by shared word stems and topic words (the old
+way); the most relevant sit nearest the question. It adds the times a "when" question asks
+about and the totals a "how many" question needs, and says plainly what was never seen or
+heard of what the question asks; `answer_stem` gives the answer's first words where the
+notes decide them ("No, I did not see a dog"), so the model has a true answer to give
+instead of an invented one.
 """
 
 from __future__ import annotations
