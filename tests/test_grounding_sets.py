@@ -143,3 +143,11 @@ def test_asked_what_a_sign_said_the_sign_is_shown_not_that_it_went():
     assert "PLATFORM 3" in prompt and "gone" not in prompt
     when = grounded_prompt("When did the sign disappear?", log)
     assert "at 14 seconds: the text on screen is gone" in when
+
+
+def test_a_clients_instructions_lead_a_grounded_prompt():
+    prompt = grounded_prompt("Where should visitors go?", busy_log(),
+                             instructions="Answer in French.")
+    assert prompt.startswith("Instructions: Answer in French.\nNotes")
+    assert grounded_prompt("Where should visitors go?", busy_log(), room=10,
+                           count=len, instructions="x") == "Where should visitors go?"

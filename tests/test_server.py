@@ -512,3 +512,6 @@ async def test_a_text_models_notes_stay_beside_questions_not_in_the_stream(serve
             'the user wrote: "The code word is pelican."']
         assert done["prompt_tokens"] > len(server.loaded.tokenizer.encode("pelican"))
         assert (await runner.session.cache_info())["layer_tokens"] == before
+        await runner.set_instructions("Answer in French.")  # Realtime session.update
+        assert runner.instructions == "Answer in French."
+        assert (await runner.session.cache_info())["layer_tokens"] == before

@@ -237,11 +237,12 @@ def timeline(question: str, topics: list[str], log: NoteLog,
 
 def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
                     count: Callable[[str], int] | None = None,
-                    selection: str = "meaning") -> str:
+                    selection: str = "meaning", instructions: str = "") -> str:
     """The question with the notes it should be answered from, and what was not observed.
     `selection` "meaning" picks notes by the kinds the question asks about, BM25 and
     recency (`note_retrieval`); "words" by shared word stems and topic words (the old
-    way, kept as the benchmark's baseline). With `room` (tokens, as `count` measures text)
+    way, kept as the benchmark's baseline). `instructions` (a client's standing ones) lead
+    the prompt. With `room` (tokens, as `count` measures text)
     the least relevant chosen notes are left out until the prompt fits, and the bare
     question goes when nothing else does (it is never cut)."""
     if selection == "words":
@@ -268,12 +269,13 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
     # a plan's or a schedule's notes without their times: a small model asked when the
     # store closes answers with the time the sentence was heard
     timed = selection == "words" or not plan_form(question)
-    prompt = _layout(ask, notes, missing, totals, times, timed)
+    lead = f"Instructions: {instructions}\n" if instructions else ""
+    prompt = lead + _layout(ask, notes, missing, totals, times, timed)
     if room is None or count is None:
         return prompt
     while notes and count(prompt) > room:  # the least relevant go first
         notes = notes[1:]
-        prompt = _layout(ask, notes, missing, totals, times, timed)
+        prompt = lead + _layout(ask, notes, missing, totals, times, timed)
     return prompt if count(prompt) <= room else question
 
 

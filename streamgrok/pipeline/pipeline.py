@@ -124,6 +124,7 @@ class PipelineRunner:
         # questions are answered over it; a grounded question answered over its notes
         # (`answer_context` "notes") reads the system prompt and its own prompt alone
         self.notes_in_stream = True
+        self.instructions = ""  # a client's standing instructions, for answers over notes
         self.frame_index = FrameIndex()  # CLIP embeddings of the frames, when CLIP runs
 
     async def send(self, event: PipelineEvent) -> None:
@@ -157,6 +158,16 @@ class PipelineRunner:
                                  shared.degradation if shared else None, vision)
             self.notes_in_stream = not self.pipeline.grounded or \
                 self.answer_context() == "stream"
+
+    async def set_instructions(self, text: str) -> None:
+        """A client's standing instructions (Realtime `session.update`): a protected system
+        turn in the stream, or, where questions are answered over notes, a line every
+        grounded question carries."""
+        if self.notes_in_stream:
+            if text:
+                await self.session.append_message(text, role="system", protected=True)
+        else:
+            self.instructions = text
 
     async def add_text(self, text: str) -> None:
         """A client's text (`input.text`): a user turn in the stream, or, where questions
@@ -307,7 +318,8 @@ class PipelineRunner:
             tokenizer = self.engine.tokenizer
             selection = self.pipeline.note_selection
             prompt = grounded_prompt(question, self.notes, self.session.question_room(),
-                                     lambda text: len(tokenizer.encode(text)), selection)
+                                     lambda text: len(tokenizer.encode(text)), selection,
+                                     self.instructions)
             answer = self.session.ask(prompt, one_line, remember=False,
                                       answer_prefix=answer_stem(question, self.notes,
                                                                 selection),

@@ -190,9 +190,7 @@ class RealtimeConnection(ClientConnection):
                 raise ProtocolError("bad_field", "instructions must be a string of at most "
                                     f"{self.config.max_text_chars} characters")
             self.instructions = instructions
-            if instructions:  # they join the context as a system turn the cache protects
-                await self.runner.session.append_message(instructions, role="system",
-                                                         protected=True)
+            await self.runner.set_instructions(instructions)
         self.send("session.updated", session=self._session())
 
     async def _audio_append(self, message: dict) -> None:
