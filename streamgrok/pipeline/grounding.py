@@ -28,6 +28,7 @@ from streamgrok.pipeline.question_kinds import (
     plan_form,
     said_form,
     seen_form,
+    words_form,
 )
 
 # words that ask about scene changes only when the question names nothing else that changed
@@ -65,6 +66,8 @@ NOT_OBSERVED = {"speech": "I did not hear anyone speak", "people": "I did not se
 OBSERVED = {"speech": "Yes, I heard someone speak", "people": "Yes, I saw a person",
             "cat": "Yes, I saw an animal", "text": "Yes, I saw text on screen",
             "motion": "Yes, I saw something move", "colour": "Yes, I saw colours"}
+# the start of an answer that quotes what was read or said, where that is what is asked
+QUOTING = {"text": 'The text on screen read "', "speech": 'I heard: "'}
 SELECTIONS = ("meaning", "words")
 # the words of a yes/no question that asks only whether something was there
 PRESENCE_WORDS = frozenset(
@@ -156,8 +159,11 @@ def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
     come from what was said); else nothing. "meaning" also says what was not seen or heard:
     "I did not see a dog" for a thing named that no note mentions, "I did not hear anyone
     speak" for a kind of note asked about that the log lacks ("No, " first for a yes/no
-    question). The model words the rest. A small model otherwise answers "a cat was seen"
-    beside "never: no cat was seen", or names someone it made up."""
+    question), "Yes, I saw a person" for a yes/no question only about whether something of a
+    noted kind was there; and it opens a quote for what a sign read or someone said, where
+    that is what is asked. The model words the rest. A small model otherwise answers "a cat
+    was seen" beside "never: no cat was seen", names someone it made up, or writes a sentence
+    about the display instead of what it read."""
     if selection == "words":
         topics = [t for t in topics_of(question) if t in TIMED and t != "change"]
         if WHO.search(question) and "people" in topics:
@@ -176,11 +182,19 @@ def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
         return ""
     if WHO.search(question) and kinds[0] == "people":
         return "A person" if noted("people", log) else "No one"
-    if plan_form(question) and any(noted(k, log) for k in ("speech", "text")):
-        return ""  # a plan or schedule may be on a sign as well as said
-    if noted(kinds[0], log):
-        return OBSERVED[kinds[0]] if yes_no and only_presence(question, kinds[0]) else ""
-    return yes_no + NOT_OBSERVED[kinds[0]]
+    if plan_form(question) and not yes_no:  # said or posted: quoted, whichever was noted
+        found = [k for k in kinds if k in QUOTING and noted(k, log)]
+        if found:
+            return QUOTING[found[0]]
+    if not noted(kinds[0], log):
+        return yes_no + NOT_OBSERVED[kinds[0]]
+    if yes_no:
+        return OBSERVED[kinds[0]] if only_presence(question, kinds[0]) else ""
+    if WHEN_ASKED.search(question):
+        return ""
+    if kinds[0] == "text":  # the words on screen, quoted: not a sentence about the display
+        return QUOTING["text"]
+    return QUOTING["speech"] if kinds[0] == "speech" and words_form(question) else ""
 
 
 def unseen_things(question: str, kinds: list[str], log: NoteLog) -> list[str]:

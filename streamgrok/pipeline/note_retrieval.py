@@ -3,11 +3,11 @@
 Each event of each note is a document of its stemmed content words; a question's BM25 score
 against them (`bm25s`, Lucene's weighting: a word in every note still counts a little) finds
 the notes that share its rarer words, and the question's kinds (`question_kinds`) find the
-notes that answer it in other words. Where its words reach nothing of a kind it asks about,
-the latest notes of that kind go in; where they reach nothing at all and no note is of a
-kind it asks about, the latest note of every kind, so a question whose words and form both
-miss its note ("what is going on?") still sees what was last said, read, seen come and go,
-and moving.
+notes that answer it in other words. Where its words reach nothing of the first kind it asks
+about that the log has, the latest notes of that kind go in; where they reach nothing at all
+and no note is of a kind it asks about, the latest note of every kind, so a question whose
+words and form both miss its note ("what is going on?") still sees what was last said,
+read, seen come and go, and moving.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
 
     - The best `limit` by kind and BM25 that score within `NEAR` of the best, each showing
       only its best events among those of the asked kinds.
-    - Where the question's words reach no note of a kind it asks about, the latest
-      `LATEST_PER_KIND` notes of that kind (those that quote what was said or read, where
-      the kind has them).
+    - Where the question's words reach no note of the first kind it asks about that the
+      log has, the latest `LATEST_PER_KIND` notes of that kind (those that quote what was
+      said or read, where the kind has them).
     - Where they reach no note at all and no note is of an asked kind, the latest note of
       every kind (each showing its events of that kind).
     - With no kind asked and no word found (or "what happened", unless `story_told`: the
@@ -66,12 +66,15 @@ def retrieve(question: str, kinds: list[str], log: NoteLog, limit: int = 6,
               if score[i] >= top - NEAR]
     reached = {tag for _, event, _, hit in scored if hit for tag in event.tags}
     recent: dict[int, frozenset[str]] = {}
-    for kind in kinds:
+    for kind in kinds:  # the first asked kind the log has: "said or posted" is said first
+        on_kind = [i for i, n in enumerate(notes) if n.tags & KIND_TAGS[kind]]
+        if not on_kind:
+            continue
         if not reached & KIND_TAGS[kind]:
-            on_kind = [i for i, n in enumerate(notes) if n.tags & KIND_TAGS[kind]]
             quoting = [i for i in on_kind if '"' in notes[i].text]  # what was said or read
             for i in (quoting or on_kind)[-LATEST_PER_KIND:]:
-                recent[i] = recent.get(i, frozenset()) | KIND_TAGS[kind]
+                recent[i] = KIND_TAGS[kind]
+        break
     if not reached and not recent:  # nothing found by word or kind: the latest of each
         for tags in KIND_TAGS.values():
             last = [i for i, n in enumerate(notes) if n.tags & tags][-1:]

@@ -79,17 +79,17 @@ IMPERATIVE = re.compile(
 
 def asked_kinds(question: str) -> list[str]:
     """The kinds of note that answer `question`, the one it names most directly first: a
-    plan or schedule is about speech and text (it is said or posted), a question about
-    someone's words is about speech (text first, either way, when it names a display or
-    sign), whatever people it names;
+    plan or schedule is about speech and text (it is said or posted; text first when it
+    names a display or sign), a question about someone's words is about speech (about text
+    when it names a display or sign: "what did the sign say?"), whatever people it names;
     otherwise the kinds its words name. "left"/"right" alone do not make a question about
     motion when it names another kind ("the stairs on the left")."""
     words = set(WORD.findall(question.lower()))
     kinds = [name for name, cues in CUES.items() if words & cues]
     if plan_form(question):  # said or posted: the display first where named
         kinds = ["text", "speech"] if "text" in kinds else ["speech", "text"]
-    elif WORDS_FORMS.search(question):  # a sign "says" too: the display first where named
-        kinds = [k for k in kinds if k == "text"] + ["speech"]
+    elif words_form(question):  # a sign "says" too: "what did the sign say?" is its text
+        kinds = ["text"] if "text" in kinds else ["speech"]
     elif "motion" in kinds and not words & (CUES["motion"] - {"left", "right"}):
         kinds.remove("motion")
     if kinds != ["change"] and "change" in kinds and not words & {"cut", "cuts", "scene",
@@ -102,7 +102,13 @@ def asked_kinds(question: str) -> list[str]:
 def said_form(question: str) -> bool:
     """Whether only what was said (or posted) can answer `question`: instructions, plans,
     schedules, names, announcements."""
-    return plan_form(question) or bool(WORDS_FORMS.search(question))
+    return plan_form(question) or words_form(question)
+
+
+def words_form(question: str) -> bool:
+    """Whether `question` asks for someone's words: a name, an announcement, what was
+    said."""
+    return bool(WORDS_FORMS.search(question))
 
 
 def plan_form(question: str) -> bool:
