@@ -105,7 +105,9 @@ def test_what_was_not_seen_is_said_in_the_prompt_and_the_answer():
     assert answer_stem("What colour was the car?", log) == "I did not see a car"
     assert answer_stem("Did a dog appear?", log) == "No, I did not see a dog"
     assert answer_stem("Who walked into view?", log) == "No one"
-    assert answer_stem("Where should visitors go?", log) == 'I heard: "'  # quoted
+    assert answer_stem("Where should visitors go?", log) == \
+        'I heard: "please take the stairs on the left."'  # told what to do: the instruction
+    assert answer_stem("When should visitors leave?", busy_log()) == 'I heard: "' 
 
 
 def test_asked_for_the_first_of_several_the_prompt_shows_the_first():

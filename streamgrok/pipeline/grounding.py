@@ -24,6 +24,8 @@ from streamgrok.pipeline.question_kinds import (
     CUES,
     article,
     asked_kinds,
+    asks_what_to_do,
+    instruction,
     named_things,
     plan_form,
     said_form,
@@ -183,6 +185,9 @@ def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
     if WHO.search(question) and kinds[0] == "people":
         return "A person" if noted("people", log) else "No one"
     if plan_form(question) and not yes_no:  # said or posted: quoted, whichever was noted
+        told = instruction_heard(question, asked, log)
+        if told:  # asked what to do, and told: the instruction itself
+            return f'{QUOTING["speech"]}{told}"'
         found = [k for k in kinds if k in QUOTING and noted(k, log)]
         if found:
             return QUOTING[found[0]]
@@ -195,6 +200,19 @@ def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
     if kinds[0] == "text":  # the words on screen, quoted: not a sentence about the display
         return QUOTING["text"]
     return QUOTING["speech"] if kinds[0] == "speech" and words_form(question) else ""
+
+
+def instruction_heard(question: str, kinds: list[str], log: NoteLog) -> str | None:
+    """For a question asking what to do, the instruction that answers it, when the note
+    that bears on it most is one ("please take the stairs on the left."); else None. The
+    135M model, given only the opening of a quote, sometimes writes one of its own."""
+    if not asks_what_to_do(question) or WHEN_ASKED.search(question):
+        return None
+    best = retrieve(question, kinds, log)[-1:]
+    if not best or "transcript" not in best[0].tags:
+        return None
+    quote = QUOTE.match(best[0].shown)
+    return quote.group(1) if quote and instruction(quote.group(1)) else None
 
 
 def unseen_things(question: str, kinds: list[str], log: NoteLog) -> list[str]:
