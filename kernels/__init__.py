@@ -7,5 +7,6 @@
 - kv_append / kv_compact: scatter new K/V (quantizing int8) and move retained tokens in place.
 - rmsnorm (fused residual add) and rotary.
 - ops.KernelOps: the dispatch point (Triton on CUDA, the reference elsewhere).
-- check: `python -m kernels.check`, correctness at production shapes and timings on a GPU.
+- check: `python -m streamgrok_kernels.check`, correctness at production shapes and timings on
+  a GPU.
 """

@@ -2,7 +2,7 @@
 
 Triton ships ptxas, so each kernel can be compiled to a cubin on a CPU-only machine. This
 catches what the interpreter cannot: GPU-only compile errors, register spills (local memory)
-and shared memory beyond the architecture's limit. Run `python -m kernels.aot --arch 90`
+and shared memory beyond the architecture's limit. Run `python -m streamgrok_kernels.aot --arch 90`
 (H100/H200) or `--arch 80` (A100); it prints registers, spill bytes and shared memory per
 specialization and exits non-zero when one fails to compile, spills or overflows.
 """
@@ -119,7 +119,7 @@ def compile_variant(variant: Variant, arch: int) -> Report:
     from triton.compiler import ASTSource
 
     module, function = variant.kernel.split(".")
-    fn = getattr(importlib.import_module(f"kernels.{module}"), function)
+    fn = getattr(importlib.import_module(f"streamgrok_kernels.{module}"), function)
     signature = {}
     for name in fn.arg_names:
         if name in variant.constexprs:
@@ -156,7 +156,7 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.aot", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m streamgrok_kernels.aot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10")
     parser.add_argument("--only", default="", help="compile variants whose name has this")

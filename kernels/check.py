@@ -1,7 +1,7 @@
 """Check the kernels on the machine at hand: correctness at production shapes against the
 PyTorch references, then paged decode attention timed against PyTorch SDPA over gathered pages.
 
-    python -m kernels.check            # or: streamgrok bench kernels
+    python -m streamgrok_kernels.check            # or: streamgrok bench kernels
 
 On CUDA the shapes are a Llama-3-8B layer (32 query heads, 8 KV heads, head_dim 128, bfloat16)
 and the timing grid is batch 1/32/128 x context 4k/32k/128k; it prints achieved bandwidth as a
@@ -121,8 +121,8 @@ class Checker:
               f"{'ok' if ok else 'FAIL'}")
 
     def pool(self, tokens: int, kv_dtype: torch.dtype):
-        from kernels import kv_append
-        from kernels.paged_kv import PagedKV
+        from streamgrok_kernels import kv_append
+        from streamgrok_kernels.paged_kv import PagedKV
 
         s = self.shapes
         slots = math.ceil(tokens / 16) * 16
@@ -144,7 +144,7 @@ class Checker:
         return angles.cos().to(self.device), angles.sin().to(self.device)
 
     def run(self) -> None:
-        from kernels import (
+        from streamgrok_kernels import (
             kv_append,
             kv_compact,
             paged_decode_attention,
@@ -241,8 +241,8 @@ def time_decode(shapes: Shapes, device: torch.device, peak: float | None, copy_b
 def time_decode_cell(s: Shapes, device: torch.device, batch: int, context: int, gen,
                      peak: float | None, copy_bw: float) -> str:
     """One row of the timing table (its tensors are freed when it returns)."""
-    from kernels import paged_decode_attention
-    from kernels.paged_kv import PagedKV
+    from streamgrok_kernels import paged_decode_attention
+    from streamgrok_kernels.paged_kv import PagedKV
 
     kv_bytes = 2 * batch * context * s.kv_heads * s.head_dim * 2
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 8 * kv_bytes
@@ -276,7 +276,7 @@ def time_decode_cell(s: Shapes, device: torch.device, batch: int, context: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.check", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m streamgrok_kernels.check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true",
                         help="small shapes (the default without CUDA, under the interpreter)")
@@ -284,10 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda:
-        if any(name.startswith("kernels.") and name not in ("kernels.check",)
+        if any(name.startswith("streamgrok_kernels.") and name not in ("streamgrok_kernels.check",)
                for name in sys.modules) and os.environ.get("TRITON_INTERPRET") != "1":
             print("kernels were imported before TRITON_INTERPRET=1 could be set; run "
-                  "`python -m kernels.check` in a fresh process", file=sys.stderr)
+                  "`python -m streamgrok_kernels.check` in a fresh process", file=sys.stderr)
             return 2
         os.environ["TRITON_INTERPRET"] = "1"
     device = torch.device("cuda" if cuda else "cpu")

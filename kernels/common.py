@@ -16,7 +16,7 @@ import torch
 def triton_wanted() -> bool:
     """Whether Triton's kernels can run in this process: on a CUDA device, interpreted on
     the CPU (TRITON_INTERPRET=1, set before the kernels are imported: tests), or compiled
-    ahead of time by a caller that imported Triton first (`kernels.aot`). Elsewhere the
+    ahead of time by a caller that imported Triton first (`streamgrok_kernels.aot`). Elsewhere the
     package is not imported: its compiler library alone is ~70 MB resident."""
     return (os.environ.get("TRITON_INTERPRET") == "1" or "triton" in sys.modules
             or torch.cuda.is_available())

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import (
+from streamgrok_kernels.cpu_native import (
     NATIVE_ATTENTION_ENV,  # noqa: F401  (the switch's name, for callers of this module)
     NativeBuild,
     NativeKernelUnavailable,
     load_native_kernels,
     native_kernels_by_default,
 )
-from kernels.paged_kv import PagedKV
-from kernels.quant import dequantized
+from streamgrok_kernels.paged_kv import PagedKV
+from streamgrok_kernels.quant import dequantized
 
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 PAGED_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)

@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from kernels.cpu_native import NativeBuild
+from streamgrok_kernels.cpu_native import NativeBuild
 
 log = logging.getLogger(__name__)
 GROUP = 32  # inputs per (scale, zero) pair

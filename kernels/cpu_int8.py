@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import NativeBuild
+from streamgrok_kernels.cpu_native import NativeBuild
 
 LEVELS = 127.0  # int8 levels each side of zero (symmetric: -128 is never used)
 

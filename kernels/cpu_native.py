@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.background_compile import BackgroundCompiles, import_compiler_quietly
+from streamgrok_kernels.background_compile import BackgroundCompiles, import_compiler_quietly
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
 SOURCES = tuple(SOURCE_DIR / name for name in (

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.common import kernel_flags, triton
-from kernels.paged_kv import PagedKV
-from kernels.quant import INT8_MAX, MIN_ABS_MAX, quantize_int8
+from streamgrok_kernels.common import kernel_flags, triton
+from streamgrok_kernels.paged_kv import PagedKV
+from streamgrok_kernels.quant import INT8_MAX, MIN_ABS_MAX, quantize_int8
 
 if triton is not None:
     import triton.language as tl

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.common import kernel_flags, triton
-from kernels.paged_kv import PagedKV
+from streamgrok_kernels.common import kernel_flags, triton
+from streamgrok_kernels.paged_kv import PagedKV
 
 if triton is not None:
     import triton.language as tl

@@ -4,7 +4,7 @@ The cache's attention backend and the model call `KernelOps` methods; each has a
 implementation and a PyTorch reference with the same contract (the CPU path and the tests'
 oracle). `backend="auto"` uses Triton for CUDA tensors when Triton is importable; "torch" and
 "triton" force one side (Triton on CPU tensors needs TRITON_INTERPRET=1, which only tests and
-`python -m kernels.check` set).
+`python -m streamgrok_kernels.check` set).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from kernels import (
+from streamgrok_kernels import (
     kv_append,
     kv_compact,
     paged_decode_attention,
@@ -21,10 +21,10 @@ from kernels import (
     rmsnorm,
     rotary,
 )
-from kernels.common import triton
-from kernels.cpu_attention import NativePagedAttention, cpu_paged_attention
-from kernels.paged_kv import PagedKV
-from kernels.paged_read import PagedReader
+from streamgrok_kernels.common import triton
+from streamgrok_kernels.cpu_attention import NativePagedAttention, cpu_paged_attention
+from streamgrok_kernels.paged_kv import PagedKV
+from streamgrok_kernels.paged_read import PagedReader
 
 BACKENDS = ("auto", "torch", "triton")
 # Prefill chunks of at most this many queries per sequence attend by the native CPU kernel

@@ -22,14 +22,14 @@ import math
 
 import torch
 
-from kernels.common import dot_flags, kernel_flags, triton
-from kernels.paged_kv import PagedKV, table_slots
-from kernels.paged_read import PagedReader
+from streamgrok_kernels.common import dot_flags, kernel_flags, triton
+from streamgrok_kernels.paged_kv import PagedKV, table_slots
+from streamgrok_kernels.paged_read import PagedReader
 
 if triton is not None:
     import triton.language as tl
 
-    from kernels.common import (
+    from streamgrok_kernels.common import (
         load_key_block,
         load_query_halves,
         load_value_block,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant import dequantized
+from streamgrok_kernels.quant import dequantized
 
 
 @dataclass(frozen=True)

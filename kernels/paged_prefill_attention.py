@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from kernels.common import dot_flags, kernel_flags, triton
-from kernels.paged_kv import PagedKV, table_slots
-from kernels.paged_read import PagedReader
+from streamgrok_kernels.common import dot_flags, kernel_flags, triton
+from streamgrok_kernels.paged_kv import PagedKV, table_slots
+from streamgrok_kernels.paged_read import PagedReader
 
 # A chunk of at most this many queries (a question, a short note) in float32 attends by two
 # matrix products with each KV head's query heads stacked, [G * m, D] x [D, n]: for 19 queries
@@ -34,7 +34,7 @@ SHORT_CHUNK_SCORES = 1 << 23  # 32 MiB of float32 scores
 if triton is not None:
     import triton.language as tl
 
-    from kernels.common import (
+    from streamgrok_kernels.common import (
         load_key_block,
         load_query_halves,
         load_value_block,

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.background_compile import (
+from streamgrok_kernels.background_compile import (
     BackgroundCompiles,
     CallContext,
     LazyCompile,
@@ -25,8 +25,8 @@ from kernels.background_compile import (
     in_autograd_mode,
     stand_in,
 )
-from kernels.paged_kv import PagedKV
-from kernels.rotary import rotated
+from streamgrok_kernels.paged_kv import PagedKV
+from streamgrok_kernels.rotary import rotated
 
 COMPILED_READS_ENV = "STREAMGROK_COMPILED_READS"  # "0": read eagerly (e.g. short test runs)
 # Below this many tokens a read is cheap and the compiled call's fixed cost (guards, ~0.1 ms)

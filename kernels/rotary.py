@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.common import triton
+from streamgrok_kernels.common import triton
 
 if triton is not None:
     import triton.language as tl

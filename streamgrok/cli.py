@@ -379,7 +379,6 @@ def _add_bench_commands(commands) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from kernels.ops import KernelOps
     from streamgrok.model.loader import load_model
     from streamgrok.runtime import (
         configure_threads,
@@ -387,6 +386,7 @@ def _load(args: argparse.Namespace):
         resolve_dtype,
         resolve_weights,
     )
+    from streamgrok_kernels.ops import KernelOps
 
     configure_threads(args.threads)
     device = resolve_device(args.device)
@@ -491,8 +491,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _kernel_rows(model) -> list[tuple[str, str]]:
     """The CPU's vector extensions and the native kernels' choice for this model (the build
     is waited for: the first time on a machine it compiles)."""
-    from kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
     from streamgrok.model.quantized import Int4Linear, wait_native_int4
+    from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 
     rows = [("cpu vector extensions", simd_flags()),
             ("native kernels built for", f"{isa_cap()} ({CPU_ISA_ENV})")]
@@ -501,7 +501,7 @@ def _kernel_rows(model) -> list[tuple[str, str]]:
         return rows
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
     if wait_native_int4(model):
-        from kernels.cpu_int4 import int4_kernel
+        from streamgrok_kernels.cpu_int4 import int4_kernel
         choice = f"native, {int4_kernel()} loop"
     elif layer.int4_matmul.native.error:
         choice = f"PyTorch's kernel (native build failed: {layer.int4_matmul.native.error})"
@@ -563,7 +563,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return 0
     if args.bench == "kernels":
-        from kernels.check import main as check_kernels
+        from streamgrok_kernels.check import main as check_kernels
 
         return check_kernels((["--small"] if args.small else [])
                              + (["--no-timing"] if args.no_timing else []))

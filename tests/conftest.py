@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="module")
 def native_int4():
     """The native int4 matmul switch, built (its int8 head kernel is in the same build)."""
-    from kernels.cpu_int4 import Int4Matmul
+    from streamgrok_kernels.cpu_int4 import Int4Matmul
 
     matmul = Int4Matmul(enabled=True)
     matmul.wait_ready()

@@ -283,7 +283,7 @@ def skip_unless_int4_vectorized(built: bool, error: str | None) -> None:
         raise AssertionError(f"the native kernels did not build: {error}")
     import pytest
 
-    from kernels.cpu_int4 import int4_kernel
+    from streamgrok_kernels.cpu_int4 import int4_kernel
     pytest.skip(f"the native int4 matmul runs its {int4_kernel()} loop on this CPU "
                 "(no AVX2+FMA or AVX-512 VNNI): int4 layers keep PyTorch's kernel")
 

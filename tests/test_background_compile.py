@@ -9,7 +9,7 @@ import sys
 import textwrap
 import threading
 
-from kernels.background_compile import BackgroundCompiles
+from streamgrok_kernels.background_compile import BackgroundCompiles
 
 
 def test_a_kind_is_ready_once_its_compilation_returned():
@@ -48,7 +48,7 @@ def test_a_process_exiting_mid_compilation_waits_for_it_and_exits_cleanly(tmp_pa
     done = tmp_path / "done"
     script = textwrap.dedent(f"""
         import torch
-        from kernels.background_compile import BackgroundCompiles
+        from streamgrok_kernels.background_compile import BackgroundCompiles
 
         def busy() -> None:
             a = torch.randn(600, 600)
@@ -72,7 +72,7 @@ def test_a_compilation_the_exiting_interpreter_refuses_is_not_reported_as_a_fail
     script = textwrap.dedent("""
         import logging, threading, time
         from concurrent.futures import ThreadPoolExecutor
-        from kernels.background_compile import BackgroundCompiles
+        from streamgrok_kernels.background_compile import BackgroundCompiles
 
         logging.basicConfig()
         pool = ThreadPoolExecutor(1)

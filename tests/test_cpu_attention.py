@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_attention import (
+from streamgrok_kernels.cpu_attention import (
     cpu_decode_attention,
     decode_attention_reference,
     native_kernel_available,
 )
-from kernels.quant import dequantized, quantize_int8
+from streamgrok_kernels.quant import dequantized, quantize_int8
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -8,8 +8,6 @@ import pytest
 import torch
 from helpers import random_model, skip_unless_int4_vectorized, tiny_config
 
-from kernels.cpu_int4 import GROUP, Int4Matmul, int4_linear_reference, unpacked_transposed
-from kernels.cpu_native import NATIVE_ATTENTION_ENV
 from streamgrok.model.quantized import (
     DEQUANTIZED_MIN_ROWS,
     NATIVE_INT4_DEQUANTIZED_MIN_ROWS,
@@ -18,6 +16,13 @@ from streamgrok.model.quantized import (
     quantize_model,
     wait_native_int4,
 )
+from streamgrok_kernels.cpu_int4 import (
+    GROUP,
+    Int4Matmul,
+    int4_linear_reference,
+    unpacked_transposed,
+)
+from streamgrok_kernels.cpu_native import NATIVE_ATTENTION_ENV
 
 
 def int4_layer(out_features: int, in_features: int, seed: int,

@@ -9,13 +9,6 @@ import torch
 import torch.nn.functional as F
 from helpers import random_model, tiny_config, write_gguf
 
-from kernels.cpu_int8 import (
-    Int8Rows,
-    quantize_rows_reference,
-    scale_products_reference,
-    swiglu_levels_reference,
-)
-from kernels.rotary import apply_rotary
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.generate import Generator
@@ -28,6 +21,13 @@ from streamgrok.model.quantized import (
     swiglu_w8a8,
     wait_native_int8,
 )
+from streamgrok_kernels.cpu_int8 import (
+    Int8Rows,
+    quantize_rows_reference,
+    scale_products_reference,
+    swiglu_levels_reference,
+)
+from streamgrok_kernels.rotary import apply_rotary
 
 
 @pytest.fixture(scope="module")

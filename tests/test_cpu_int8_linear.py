@@ -9,14 +9,14 @@ import torch
 from helpers import random_model, skip_unless_int4_vectorized, tiny_config
 from test_cpu_int4 import activation_rows
 
-from kernels.cpu_int4 import GROUP, Int4Matmul
-from kernels.cpu_native import NATIVE_ATTENTION_ENV
 from streamgrok.model.quantized import (
     NATIVE_INT8_MAX_ROWS,
     Int8Linear,
     QuantizedRows,
     quantize_model,
 )
+from streamgrok_kernels.cpu_int4 import GROUP, Int4Matmul
+from streamgrok_kernels.cpu_native import NATIVE_ATTENTION_ENV
 
 
 def int8_layer(out_features: int, in_features: int, seed: int,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import run_script
 
-from kernels.cpu_native import CPU_ISA_ENV, isa_cap
+from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap
 
 
 def cpu_flags() -> set[str]:
@@ -26,7 +26,7 @@ def cpu_flags() -> set[str]:
 CHECK = textwrap.dedent("""
     import sys
     import torch
-    from kernels.cpu_int4 import Int4Matmul, int4_kernel, unpacked_transposed
+    from streamgrok_kernels.cpu_int4 import Int4Matmul, int4_kernel, unpacked_transposed
     from streamgrok.model.quantized import Int4Linear, Int8Linear, QuantizedRows
 
     matmul = Int4Matmul(enabled=True)

@@ -9,12 +9,12 @@ import pytest
 import torch
 from helpers import random_model, tiny_config
 
-from kernels import paged_decode_attention, paged_prefill_attention
-from kernels.cpu_attention import cpu_paged_attention, native_kernel_available
-from kernels.ops import KernelOps
-from kernels.paged_kv import PagedKV
 from streamgrok.model.config import RopeScaling
 from streamgrok.model.rotary import inverse_frequencies
+from streamgrok_kernels import paged_decode_attention, paged_prefill_attention
+from streamgrok_kernels.cpu_attention import cpu_paged_attention, native_kernel_available
+from streamgrok_kernels.ops import KernelOps
+from streamgrok_kernels.paged_kv import PagedKV
 
 PAGE = 16
 POOL_PAGES = 48
@@ -213,7 +213,7 @@ def test_the_paged_decode_bench_times_both_paths_and_plots(tiny_loaded, tmp_path
 def test_the_cache_prefills_short_chunks_by_the_native_kernel():
     """Several sequences' short chunks in one step (prompts, streamed notes) take the native
     kernel, with the reference's output; long chunks keep the PyTorch path."""
-    from kernels import ops as ops_module
+    from streamgrok_kernels import ops as ops_module
 
     kv = pool(3, 64, torch.float32, seed=11)
     counts, past = [5, 30, 12], torch.tensor([0, 40, 7])

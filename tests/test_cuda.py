@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import queue_streaming_questions, random_model, tiny_config, write_gguf
 
-from kernels.ops import KernelOps
 from streamgrok.cache.config import CacheConfig
 from streamgrok.runtime import StepTimer
+from streamgrok_kernels.ops import KernelOps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

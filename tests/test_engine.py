@@ -263,7 +263,7 @@ async def test_a_failing_forward_fails_only_the_answer_that_caused_it(tiny_loade
     """A layer raises mid-forward whenever the victim's question is in the batch: that
     answer fails with the error, the bystander's answer batched with it is unaffected, the
     engine goes on, and every page comes back (on both kernel backends)."""
-    from kernels.ops import KernelOps
+    from streamgrok_kernels.ops import KernelOps
 
     short = SamplingParams(max_tokens=2)
     model = tiny_loaded.model

@@ -22,7 +22,12 @@ from helpers import random_model, tiny_config
 
 pytest.importorskip("triton")
 
-from kernels import (  # noqa: E402
+from streamgrok.cache.config import CacheConfig  # noqa: E402
+from streamgrok.cache.paged_cache import PagedKVCache  # noqa: E402
+from streamgrok.model.batch import BatchMetadata  # noqa: E402
+from streamgrok.model.config import RopeScaling  # noqa: E402
+from streamgrok.model.rotary import inverse_frequencies  # noqa: E402
+from streamgrok_kernels import (  # noqa: E402
     kv_append,
     kv_compact,
     paged_decode_attention,
@@ -30,14 +35,9 @@ from kernels import (  # noqa: E402
     rmsnorm,
     rotary,
 )
-from kernels.ops import KernelOps  # noqa: E402
-from kernels.paged_kv import PagedKV  # noqa: E402
-from kernels.rotary import apply_rotary  # noqa: E402
-from streamgrok.cache.config import CacheConfig  # noqa: E402
-from streamgrok.cache.paged_cache import PagedKVCache  # noqa: E402
-from streamgrok.model.batch import BatchMetadata  # noqa: E402
-from streamgrok.model.config import RopeScaling  # noqa: E402
-from streamgrok.model.rotary import inverse_frequencies  # noqa: E402
+from streamgrok_kernels.ops import KernelOps  # noqa: E402
+from streamgrok_kernels.paged_kv import PagedKV  # noqa: E402
+from streamgrok_kernels.rotary import apply_rotary  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 16
@@ -347,9 +347,10 @@ def test_forced_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypat
 
 
 def test_gpu_check_script_runs_and_passes_on_small_shapes():
-    """`python -m kernels.check` (here interpreted on small shapes unless CUDA is present)."""
+    """`python -m streamgrok_kernels.check` (here interpreted on small shapes unless CUDA is
+    present)."""
     root = Path(__file__).resolve().parent.parent
-    result = subprocess.run([sys.executable, "-m", "kernels.check", "--small"], cwd=root,
+    result = subprocess.run([sys.executable, "-m", "streamgrok_kernels.check", "--small"], cwd=root,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "0 failed checks" in result.stdout
@@ -363,7 +364,7 @@ def test_every_kernel_specialization_compiles_for_the_gpu_without_spills(arch):
     errors, register spills and shared memory over the architecture's limit."""
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "kernels.aot", "--arch", str(arch)],
+    result = subprocess.run([sys.executable, "-m", "streamgrok_kernels.aot", "--arch", str(arch)],
                             cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
     assert result.stdout.rstrip().endswith("0 failed")

@@ -8,9 +8,6 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from kernels.ops import KernelOps
-from kernels.paged_read import COMPILED_MIN_TOKENS
-from kernels.rotary import apply_rotary
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.host_tier import _summaries
 from streamgrok.cache.page_scorer import layer_page_scores
@@ -18,6 +15,9 @@ from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.recall import choose_pages, page_gains, score_pages
 from streamgrok.cache.tokens import STREAM
 from streamgrok.model.batch import BatchMetadata
+from streamgrok_kernels.ops import KernelOps
+from streamgrok_kernels.paged_read import COMPILED_MIN_TOKENS
+from streamgrok_kernels.rotary import apply_rotary
 
 CFG = tiny_config(max_positions=4096)
 

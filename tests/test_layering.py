@@ -1,5 +1,6 @@
-"""The package graph is acyclic: kernels <- model <- cache <- engine <- pipeline <- server, with
-cli and bench on top. Checked on the import statements of every module."""
+"""The package graph is acyclic: kernels (installed as streamgrok_kernels) <- model <- cache <-
+engine <- pipeline <- server, with cli and bench on top. Checked on the import statements of
+every module."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-LAYERS = ["kernels", "streamgrok.model", "streamgrok.cache", "streamgrok.engine",
+LAYERS = ["streamgrok_kernels", "streamgrok.model", "streamgrok.cache", "streamgrok.engine",
           "streamgrok.media", "streamgrok.pipeline", "streamgrok.server", "streamgrok.bench"]
 ANYWHERE = ("streamgrok.errors", "streamgrok.modality", "streamgrok.stream_tokens",
             "streamgrok.channel", "streamgrok.runtime")
@@ -33,7 +34,8 @@ def imports(path: Path) -> list[str]:
 def test_no_module_imports_a_layer_above_its_own():
     wrong = []
     for path in [*ROOT.glob("kernels/*.py"), *ROOT.glob("streamgrok/**/*.py")]:
-        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        module = ".".join(("streamgrok_kernels", *parts[1:]) if parts[0] == "kernels" else parts)
         own = layer_of(module)
         if own is None:
             continue

@@ -118,7 +118,7 @@ def test_bfloat16_model_tracks_float32(tiny):
 
 
 def test_an_int8_cache_stores_each_row_with_its_scale_and_tracks_float32(tiny):
-    from kernels.quant import quantize_int8
+    from streamgrok_kernels.quant import quantize_int8
 
     ids = torch.randint(0, tiny.config.vocab_size, (30,)).tolist()
     exact, int8 = (ContiguousKVCache(tiny.config, 2, 40, dtype=dtype)

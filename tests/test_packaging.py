@@ -58,7 +58,7 @@ def test_the_installed_package_finds_its_files_without_the_checkout(wheel, tmp_p
         f"assert path.startswith({str(target)!r}), path",
         f"assert str(STATIC_DIR).startswith({str(target)!r})",
         "assert (STATIC_DIR / 'index.html').is_file()",
-        "from kernels.cpu_native import HEADERS, SOURCES",
+        "from streamgrok_kernels.cpu_native import HEADERS, SOURCES",
         "for source in SOURCES + HEADERS:",
         f"    assert str(source).startswith({str(target)!r}) and source.is_file(), source",
         "pipeline = load_pipeline(path, {'hidden_size': 64, 'transcribe': 'false'})",

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rotary import apply_rotary
 from streamgrok.cache.attention_plan import build_attention_plan, refresh_layer
 from streamgrok.cache.page_scorer import PageScorer, layer_page_scores
 from streamgrok.cache.recall import page_gains, resident_lse, score_pages
 from streamgrok.cache.tokens import LayerTokens
+from streamgrok_kernels.rotary import apply_rotary
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 SCALE = DIM ** -0.5

@@ -10,7 +10,6 @@ from helpers import random_model, tiny_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.paged_prefill_attention import dense_chunk_attention
 from streamgrok.cache.config import CacheConfig, pyramid_budgets
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.tokens import PROTECTED, SOURCE, STREAM
@@ -18,6 +17,7 @@ from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.stream_tokens import Modality, TokenInfo
+from streamgrok_kernels.paged_prefill_attention import dense_chunk_attention
 
 CFG = tiny_config()
 
@@ -419,7 +419,7 @@ def test_a_forward_that_fails_mid_step_is_rolled_back_exactly(backend):
     """Pages reserved before the forward pass; layer 1 raises after layer 0 wrote its K/V:
     rollback restores page tables, refcounts, lengths, stream counters and scores; the same
     step then succeeds and commits."""
-    from kernels.ops import KernelOps
+    from streamgrok_kernels.ops import KernelOps
 
     model = random_model(CFG)
     model.kernels = KernelOps(backend)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from helpers import eager_decode, random_model, skip_unless_int4_vectorized, tiny_config
 
-from kernels.ops import KernelOps
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.llama import fuse_projections
 from streamgrok.model.native_decode import PagedNativeDecode
 from streamgrok.model.quantized import Int4Linear, quantize_model, wait_native_int4
+from streamgrok_kernels.ops import KernelOps
 
 VOCAB = 320
 

@@ -8,10 +8,10 @@ import logging
 import pytest
 import torch
 
-from kernels import paged_decode_attention, paged_prefill_attention
-from kernels.ops import KernelOps
-from kernels.paged_kv import PagedKV, table_slots
-from kernels.paged_read import COMPILED_MIN_TOKENS, PagedReader
+from streamgrok_kernels import paged_decode_attention, paged_prefill_attention
+from streamgrok_kernels.ops import KernelOps
+from streamgrok_kernels.paged_kv import PagedKV, table_slots
+from streamgrok_kernels.paged_read import COMPILED_MIN_TOKENS, PagedReader
 
 PAGE = 16
 

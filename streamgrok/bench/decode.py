@@ -43,7 +43,7 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
             raise ValueError(f"unknown format {column!r}: FORMAT or FORMAT:KV, FORMAT one of "
                              f"{', '.join(WEIGHT_FORMATS)}, KV one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")
-    from kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
+    from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 
     print(f"cpu: {simd_flags()} ({CPU_ISA_ENV}={isa_cap()})")
     print(f"model {model_path.name}  torch {torch.__version__}  threads {threads}  "

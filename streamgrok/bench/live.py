@@ -23,12 +23,12 @@ from pathlib import Path
 
 import psutil
 
-from kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 from streamgrok.bench.live_client import PHOTOS, ClientResult, frame_bytes, live_client
 from streamgrok.bench.server_process import ServerProcess, serve_arguments, settle
 from streamgrok.bench.speech_track import SpeechTrack, sentence_clips, word_error_rate
 from streamgrok.bench.timing import percentile
 from streamgrok.openmp_wait import set_idle_spin
+from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 
 
 @dataclass

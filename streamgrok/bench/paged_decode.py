@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kernels.ops import KernelOps
 from streamgrok.bench.caches import bench_cache
 from streamgrok.bench.corpus import long_ids, stdlib_text
 from streamgrok.bench.timing import median, timed
@@ -25,6 +24,7 @@ from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.streaming import feed
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.loader import LoadedModel
+from streamgrok_kernels.ops import KernelOps
 
 SHAPES = ((1, 512), (1, 2048), (8, 512), (8, 2048), (32, 512))  # (sequences, cached tokens)
 STEPS = 12  # timed steps per path and shape, alternating

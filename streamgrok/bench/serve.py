@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 from streamgrok.bench.timing import percentile
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine, EngineConfig
 from streamgrok.engine.metrics import AnswerMetrics
 from streamgrok.model.loader import LoadedModel
 from streamgrok.model.sampling import SamplingParams
+from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 
 SYSTEM = "You are a helpful assistant watching a live video stream. Notes arrive with timestamps."
 QUESTIONS = ["What is happening right now?", "Summarise the last notes in one sentence."]

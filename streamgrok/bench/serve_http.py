@@ -20,11 +20,11 @@ from pathlib import Path
 
 import httpx
 
-from kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 from streamgrok.bench.http_load import RowResult, run_row
 from streamgrok.bench.llama_cpp_peer import PeerUnavailable
 from streamgrok.bench.server_process import free_port
 from streamgrok.bench.timing import measurement_env
+from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 
 PEER_CONTEXT = 512  # llama-server's context per parallel slot: prompt + answer fit
 

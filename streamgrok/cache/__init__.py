@@ -14,6 +14,6 @@ Design (see also DESIGN.md §2):
   score accumulated from the attention computation itself.
 * Eviction selects per layer which tokens to keep (protected + sinks + recent window + the best
   scored rest) and compacts the layer's pages in place; shared prefix pages are copied on write.
-* Storing, attending and compacting go through `kernels.ops.KernelOps`: Triton kernels on CUDA
-  that read the pages directly, the PyTorch references (gather + SDPA) elsewhere.
+* Storing, attending and compacting go through `streamgrok_kernels.ops.KernelOps`: Triton kernels
+  on CUDA that read the pages directly, the PyTorch references (gather + SDPA) elsewhere.
 """

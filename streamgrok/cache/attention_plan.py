@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.paged_kv import PagedKV
 from streamgrok.cache.tokens import LayerTokens
 from streamgrok.model.batch import PagedDecodeView
+from streamgrok_kernels.paged_kv import PagedKV
 
 
 @dataclass

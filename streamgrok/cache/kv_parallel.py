@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernels.ops import KernelOps
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.kv_group import KVGroup
 from streamgrok.cache.paged_cache import (
@@ -50,6 +49,7 @@ from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.config import ModelConfig
 from streamgrok.stream_tokens import TokenInfo
+from streamgrok_kernels.ops import KernelOps
 
 
 @dataclass

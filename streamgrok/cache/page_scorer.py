@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.background_compile import (
+from streamgrok.cache.recall import causal_logits, page_gains, score_pages
+from streamgrok_kernels.background_compile import (
     BackgroundCompiles,
     CallContext,
     LazyCompile,
@@ -25,9 +26,8 @@ from kernels.background_compile import (
     in_autograd_mode,
     stand_in,
 )
-from kernels.paged_read import compiled_reads_by_default
-from kernels.rotary import rotated
-from streamgrok.cache.recall import causal_logits, page_gains, score_pages
+from streamgrok_kernels.paged_read import compiled_reads_by_default
+from streamgrok_kernels.rotary import rotated
 
 ScoreFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import kv_append
-from kernels.paged_kv import PagedKV
+from streamgrok_kernels import kv_append
+from streamgrok_kernels.paged_kv import PagedKV
 
 
 def page_bytes(page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

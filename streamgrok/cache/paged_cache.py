@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from kernels.ops import KernelOps
 from streamgrok.cache.attention_plan import (
     AttentionPlan,
     SpanGroup,
@@ -38,6 +37,7 @@ from streamgrok.model.batch import BatchMetadata, PagedDecodeView
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.rotary import Rotary
 from streamgrok.stream_tokens import Modality, TokenInfo
+from streamgrok_kernels.ops import KernelOps
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_kv import PagedKV
 from streamgrok.errors import CacheFullError
+from streamgrok_kernels.paged_kv import PagedKV
 
 
 class PagePool:

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.ops import KernelOps
 from streamgrok.cache.tokens import STREAM
+from streamgrok_kernels.ops import KernelOps
 
 
 @dataclass

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.paged_read import COMPILED_MIN_TOKENS
 from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, refresh_layer
 from streamgrok.cache.host_tier import TierLayer, stand_in_layer
 from streamgrok.cache.page_scorer import PageScorer
@@ -41,6 +40,7 @@ from streamgrok.cache.recall import (
 )
 from streamgrok.cache.tokens import STREAM, LayerTokens
 from streamgrok.errors import CacheFullError
+from streamgrok_kernels.paged_read import COMPILED_MIN_TOKENS
 
 if TYPE_CHECKING:
     from streamgrok.cache.paged_cache import PagedKVCache, SequenceState

@@ -20,7 +20,6 @@ from dataclasses import replace
 
 import torch
 
-from kernels.background_compile import import_compiler
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.kv_group import KVGroup
 from streamgrok.cache.paged_cache import PagedKVCache
@@ -41,6 +40,7 @@ from streamgrok.model.sampling import SamplingParams, new_generator
 from streamgrok.runtime import StepTimer, release_free_memory
 from streamgrok.stream_tokens import TokenInfo
 from streamgrok.vision.batcher import FrameBatcher
+from streamgrok_kernels.background_compile import import_compiler
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels.paged_kv import PagedKV
 from streamgrok.stream_tokens import TokenInfo
+from streamgrok_kernels.paged_kv import PagedKV
 
 
 @dataclass

@@ -38,19 +38,19 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from kernels.background_compile import BackgroundCompiles, LazyCompile
-from kernels.cpu_attention import (
+from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.native_decode import NativeDecodeStep, native_step_fits
+from streamgrok.model.quantized import wait_native_int4
+from streamgrok.runtime import release_free_memory
+from streamgrok_kernels.background_compile import BackgroundCompiles, LazyCompile
+from streamgrok_kernels.cpu_attention import (
     NATIVE_ATTENTION_ENV,  # noqa: F401  (the switch's name, for callers of this module)
     cpu_decode_attention,
     native_attention_by_default,
     native_kernel_available,
 )
-from kernels.quant import dequantized, quantize_int8
-from kernels.rotary import rotated
-from streamgrok.model.batch import BatchMetadata
-from streamgrok.model.native_decode import NativeDecodeStep, native_step_fits
-from streamgrok.model.quantized import wait_native_int4
-from streamgrok.runtime import release_free_memory
+from streamgrok_kernels.quant import dequantized, quantize_int8
+from streamgrok_kernels.rotary import rotated
 
 if TYPE_CHECKING:
     from streamgrok.model.llama import Transformer

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_attention import KV_DTYPES, cpu_decode_attention
-from kernels.cpu_native import NativeBuild
-from kernels.quant import dequantized, quantize_int8
-from kernels.rotary import apply_rotary
 from streamgrok.errors import CacheFullError
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import DecodeView
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.rotary import Rotary
+from streamgrok_kernels.cpu_attention import KV_DTYPES, cpu_decode_attention
+from streamgrok_kernels.cpu_native import NativeBuild
+from streamgrok_kernels.quant import dequantized, quantize_int8
+from streamgrok_kernels.rotary import apply_rotary
 
 
 class ContiguousKVCache:

@@ -11,13 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import rmsnorm
-from kernels.ops import KernelOps
 from streamgrok.model.batch import AttentionBackend, BatchMetadata
 from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.native_decode import PagedNativeDecode
 from streamgrok.model.quantized import swiglu_w8a8
+from streamgrok_kernels import rmsnorm
+from streamgrok_kernels.ops import KernelOps
 
 
 class Linear(nn.Linear):

@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.cpu_int4 import Int4Matmul
-from kernels.cpu_int8 import Int8Rows
 from streamgrok.errors import ModelLoadError
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
@@ -29,6 +27,8 @@ from streamgrok.model.quantized_embedding import fits as embedding_fits
 from streamgrok.model.smoothing import Smoothing, calibration_ids, smoothing_for
 from streamgrok.model.tokenizer import Tokenizer
 from streamgrok.runtime import release_free_memory
+from streamgrok_kernels.cpu_int4 import Int4Matmul
+from streamgrok_kernels.cpu_int8 import Int8Rows
 
 if TYPE_CHECKING:
     from streamgrok.vision.encoder import VisionEncoder

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.cpu_attention import KV_DTYPES
-from kernels.cpu_native import native_kernels_by_default
 from streamgrok.model.batch import BatchMetadata, PagedDecodeView
 from streamgrok.model.quantized import NATIVE_INT8_MAX_ROWS, Int4Linear, Int8Linear
+from streamgrok_kernels.cpu_attention import KV_DTYPES
+from streamgrok_kernels.cpu_native import native_kernels_by_default
 
 if TYPE_CHECKING:
     from streamgrok.model.compiled_decode import DecodeView

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_int4 import BLOCK as Q4_CPU_BLOCK
-from kernels.cpu_int4 import Int4Matmul
-from kernels.cpu_int8 import Int8Rows
 from streamgrok.model.quantized_embedding import Int8Embedding
 from streamgrok.model.quantized_embedding import fits as embedding_fits
+from streamgrok_kernels.cpu_int4 import BLOCK as Q4_CPU_BLOCK
+from streamgrok_kernels.cpu_int4 import Int4Matmul
+from streamgrok_kernels.cpu_int8 import Int8Rows
 
 WEIGHT_FORMATS = ("f32", "bf16", "q8", "q4", "w8a8")
 Q4_GROUP = 32

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from kernels.rotary import apply_rotary
 from streamgrok.model.config import ModelConfig, RopeScaling
+from streamgrok_kernels.rotary import apply_rotary
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
