@@ -28,6 +28,7 @@ from streamgrok.bench.server_process import ServerProcess, serve_arguments, sett
 from streamgrok.bench.speech_track import SpeechTrack, sentence_clips, word_error_rate
 from streamgrok.bench.timing import percentile
 from streamgrok.openmp_wait import set_idle_spin
+from streamgrok.server.load import tree_cpu_seconds
 from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 
 
@@ -131,17 +132,14 @@ async def run_row(url: str, server: ServerProcess | None, clients: int, args,
 
 
 def _cpu_seconds(server: ServerProcess | None) -> float:
+    """CPU seconds of the server and every process under it (with the programs they ran and
+    waited for, such as Tesseract)."""
     if server is None:
         return 0.0
-    proc = psutil.Process(server.process.pid)
-    total = 0.0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            times = p.cpu_times()  # with the programs it ran and waited for (Tesseract)
-            total += times.user + times.system + times.children_user + times.children_system
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    try:
+        return sum(tree_cpu_seconds(psutil.Process(server.process.pid)))
+    except psutil.NoSuchProcess:
+        return 0.0
 
 
 def _ms(seconds: float) -> str:

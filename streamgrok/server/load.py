@@ -260,7 +260,7 @@ class CpuMeter:
 
     def read(self) -> tuple[float, float]:
         """(all, child processes only) since the last read, as fractions of the cores."""
-        now, used = time.monotonic(), self._cpu_seconds()
+        now, used = time.monotonic(), tree_cpu_seconds(self.process)
         last, self._last = self._last, (now, used)
         if last is None or now <= last[0]:
             return 0.0, 0.0
@@ -268,19 +268,20 @@ class CpuMeter:
         return (max(0.0, used[0] + used[1] - last[1][0] - last[1][1]) / scale,
                 max(0.0, used[1] - last[1][1]) / scale)
 
-    def _cpu_seconds(self) -> tuple[float, float]:
-        """(this process, its children) CPU seconds so far. Children include the programs
-        they ran and waited for (Tesseract runs of a media worker, a second each), which a
-        look at the live processes alone would never see."""
-        own = self.process.cpu_times()
-        children = own.children_user + own.children_system
-        for process in self.process.children(recursive=True):
-            try:
-                times = process.cpu_times()
-            except psutil.Error:  # a worker that just exited
-                continue
-            children += times.user + times.system + times.children_user + times.children_system
-        return own.user + own.system, children
+
+def tree_cpu_seconds(process: psutil.Process) -> tuple[float, float]:
+    """(the process, its child processes) CPU seconds so far. Children include the programs
+    they ran and waited for (Tesseract runs of a media worker, a second each), which a look
+    at the live processes alone would never see; a child that just exited is skipped."""
+    own = process.cpu_times()
+    children = own.children_user + own.children_system
+    for child in process.children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        children += times.user + times.system + times.children_user + times.children_system
+    return own.user + own.system, children
 
 
 def _average(old: float | None, new: float) -> float:
