@@ -31,10 +31,12 @@ def test_the_wheel_carries_the_page_the_pipelines_and_the_metadata(wheel):
         entry_points = archive.read(info.replace("METADATA", "entry_points.txt")).decode()
     for shipped in ("streamgrok/server/static/index.html", "streamgrok/server/static/"
                     "assistant.js", "streamgrok/pipelines/live_qa.py",
-                    "streamgrok/pipelines/alert.py", "streamgrok/py.typed", "kernels/ops.py",
-                    "kernels/cpu/decode_attention.cpp", "kernels/cpu/paged_attention.cpp",
-                    "kernels/cpu/attention_math.h", "streamgrok/vision/mmproj.py"):
+                    "streamgrok/pipelines/alert.py", "streamgrok/py.typed",
+                    "streamgrok_kernels/ops.py", "streamgrok_kernels/cpu/decode_attention.cpp",
+                    "streamgrok_kernels/cpu/paged_attention.cpp",
+                    "streamgrok_kernels/cpu/attention_math.h", "streamgrok/vision/mmproj.py"):
         assert shipped in names, shipped
+    assert not any(n.startswith("kernels/") for n in names)  # not another project's name
     assert any(n.endswith("licenses/LICENSE") for n in names)
     assert metadata["License-Expression"] == "Apache-2.0"
     requires = metadata.get_all("Requires-Dist")
