@@ -208,7 +208,7 @@ def instruction_heard(question: str, kinds: list[str], log: NoteLog) -> str | No
     135M model, given only the opening of a quote, sometimes writes one of its own."""
     if not asks_what_to_do(question) or WHEN_ASKED.search(question):
         return None
-    best = retrieve(question, kinds, log)[-1:]
+    best = retrieve(question, kinds, log, quotes_first=True)[-1:]  # as its prompt ranks them
     if not best or "transcript" not in best[0].tags:
         return None
     quote = QUOTE.match(best[0].shown)
