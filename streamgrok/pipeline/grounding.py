@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from streamgrok.media.observers import COUNTED
 from streamgrok.pipeline.note_log import WORD, Event, LoggedNote, NoteLog
@@ -153,7 +153,33 @@ def best_events(question: str, topics: list[str],
     return shown
 
 
-def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
+@dataclass(frozen=True)
+class Reading:
+    """What the "meaning" selection finds for a question, once: the kinds of note it asks
+    about, the things it names that no note mentions, the times a "when" question gets,
+    and its notes, the most relevant last (before sentences said together are joined)."""
+
+    kinds: list[str]
+    unseen: list[str]
+    times: str | None
+    found: list[LoggedNote]
+
+
+def read_question(question: str, log: NoteLog) -> Reading:
+    """The question's `Reading` against `log` (see `note_retrieval.retrieve`); a prompt and
+    a stem built from one reading search the log once."""
+    kinds = asked_kinds(question)
+    times = None if said_form(question) else timeline(question, kinds, log, WHEN_ASKED)
+    asked = set(WORD.findall(question.lower()))
+    pick = ("first" if "first" in asked else "last" if "last" in asked else None) \
+        if times else None
+    found = retrieve(question, kinds, log, story_told=times is not None, pick=pick,
+                     quotes_first=not WHEN_ASKED.search(question))
+    return Reading(kinds, unseen_things(question, kinds, log), times, found)
+
+
+def answer_stem(question: str, log: NoteLog, selection: str = "meaning",
+                reading: Reading | None = None) -> str:
     """How the answer must begin, where the notes decide it. "words" (the old selection):
     "No" for a yes/no or how-many question about something the observers never noted (a
     person, a cat, text, motion, speech); for "who", "A person" or "No one" as a person or
@@ -165,7 +191,8 @@ def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
     noted kind was there; and it opens a quote for what a sign read or someone said, where
     that is what is asked. The model words the rest. A small model otherwise answers "a cat
     was seen" beside "never: no cat was seen", names someone it made up, or writes a sentence
-    about the display instead of what it read."""
+    about the display instead of what it read. `reading`: the question's, when already
+    read."""
     if selection == "words":
         topics = [t for t in topics_of(question) if t in TIMED and t != "change"]
         if WHO.search(question) and "people" in topics:
@@ -175,17 +202,16 @@ def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
         return "No" if YES_NO.search(question) or HOW_MANY.search(question) else ""
     yes_no = "No, " if YES_NO.search(question) else "None: " if HOW_MANY.search(question) \
         else ""
-    asked = asked_kinds(question)
-    unseen = unseen_things(question, asked, log)
-    if unseen:
-        return f"{yes_no}I did not see {article(unseen[0])}"
-    kinds = [k for k in asked if k in TIMED and k != "change"]
+    reading = reading or read_question(question, log)
+    if reading.unseen:
+        return f"{yes_no}I did not see {article(reading.unseen[0])}"
+    kinds = [k for k in reading.kinds if k in TIMED and k != "change"]
     if not kinds:
         return ""
     if WHO.search(question) and kinds[0] == "people":
         return "A person" if noted("people", log) else "No one"
     if plan_form(question) and not yes_no:  # said or posted: quoted, whichever was noted
-        told = instruction_heard(question, asked, log)
+        told = instruction_heard(question, reading.found)
         if told:  # asked what to do, and told: the instruction itself
             return f'{QUOTING["speech"]}{told}"'
         found = [k for k in kinds if k in QUOTING and noted(k, log)]
@@ -202,13 +228,14 @@ def answer_stem(question: str, log: NoteLog, selection: str = "meaning") -> str:
     return QUOTING["speech"] if kinds[0] == "speech" and words_form(question) else ""
 
 
-def instruction_heard(question: str, kinds: list[str], log: NoteLog) -> str | None:
+def instruction_heard(question: str, found: list[LoggedNote]) -> str | None:
     """For a question asking what to do, the instruction that answers it, when the note
-    that bears on it most is one ("please take the stairs on the left."); else None. The
-    135M model, given only the opening of a quote, sometimes writes one of its own."""
+    that bears on it most (the last of `found`) is one ("please take the stairs on the
+    left."); else None. The 135M model, given only the opening of a quote, sometimes writes
+    one of its own."""
     if not asks_what_to_do(question) or WHEN_ASKED.search(question):
         return None
-    best = retrieve(question, kinds, log, quotes_first=True)[-1:]  # as its prompt ranks them
+    best = found[-1:]
     if not best or "transcript" not in best[0].tags:
         return None
     quote = QUOTE.match(best[0].shown)
@@ -269,14 +296,16 @@ def timeline(question: str, topics: list[str], log: NoteLog,
 
 def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
                     count: Callable[[str], int] | None = None,
-                    selection: str = "meaning", instructions: str = "") -> str:
+                    selection: str = "meaning", instructions: str = "",
+                    reading: Reading | None = None) -> str:
     """The question with the notes it should be answered from, and what was not observed.
     `selection` "meaning" picks notes by the kinds the question asks about, BM25 and
     recency (`note_retrieval`); "words" by shared word stems and topic words (the old
     way, kept as the benchmark's baseline). `instructions` (a client's standing ones) lead
     the prompt. With `room` (tokens, as `count` measures text)
     the least relevant chosen notes are left out until the prompt fits, and the bare
-    question goes when nothing else does (it is never cut)."""
+    question goes when nothing else does (it is never cut). `reading`: the question's,
+    when already read."""
     if selection == "words":
         topics = topics_of(question)
         notes = join_speech(relevant_notes(question, log))
@@ -284,18 +313,14 @@ def grounded_prompt(question: str, log: NoteLog, room: int | None = None,
         times = timeline(question, topics, log)
         form = _answer_form(question, topics)
     else:
-        topics = asked_kinds(question)
-        times = None if said_form(question) else timeline(question, topics, log, WHEN_ASKED)
-        asked = set(WORD.findall(question.lower()))
-        pick = ("first" if "first" in asked else "last" if "last" in asked else None) \
-            if times else None
-        notes = join_speech(retrieve(question, topics, log, story_told=times is not None,
-                                     pick=pick, quotes_first=not WHEN_ASKED.search(question)))
+        reading = reading or read_question(question, log)
+        topics, times = reading.kinds, reading.times
+        notes = join_speech(reading.found)
         form = _answer_form(question, topics, quote_text=True)
         missing = [MISSING.get(t, TOPICS[t][2]) for t in topics if not noted(t, log)]
         if plan_form(question) and len(missing) < 2:  # said or posted: one is enough
             missing = []
-        missing += [f"no {thing} was seen" for thing in unseen_things(question, topics, log)]
+        missing += [f"no {thing} was seen" for thing in reading.unseen]
     totals = counts(log, topics) if HOW_MANY.search(question) else None
     ask = f"Using only these notes, answer in {form}: {question}"
     # a plan's or a schedule's notes without their times: a small model asked when the

@@ -28,7 +28,12 @@ from streamgrok.pipeline.events import (
     PipelineEvent,
     QuestionEvent,
 )
-from streamgrok.pipeline.grounding import SELECTIONS, answer_stem, grounded_prompt
+from streamgrok.pipeline.grounding import (
+    SELECTIONS,
+    answer_stem,
+    grounded_prompt,
+    read_question,
+)
 from streamgrok.pipeline.ingest import Ingest, IngestConfig
 from streamgrok.pipeline.note_log import NoteLog
 from streamgrok.pipeline.options import DEFAULT_CLIENT_OPTIONS, ClientOption
@@ -317,12 +322,13 @@ class PipelineRunner:
                                | self.engine.tokenizer.line_break_ids())
             tokenizer = self.engine.tokenizer
             selection = self.pipeline.note_selection
+            reading = read_question(question, self.notes) if selection == "meaning" else None
             prompt = grounded_prompt(question, self.notes, self.session.question_room(),
                                      lambda text: len(tokenizer.encode(text)), selection,
-                                     self.instructions)
+                                     self.instructions, reading)
             answer = self.session.ask(prompt, one_line, remember=False,
                                       answer_prefix=answer_stem(question, self.notes,
-                                                                selection),
+                                                                selection, reading),
                                       own_context=self.answer_context() == "notes")
         else:
             answer = self.session.ask(question, sampling)
