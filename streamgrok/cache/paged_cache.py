@@ -18,6 +18,7 @@ from streamgrok.cache.attention_plan import (
 )
 from streamgrok.cache.config import CPU_DEFAULT_GIB, KV_DTYPES, CacheConfig
 from streamgrok.cache.host_tier import HostTier
+from streamgrok.cache.parking import ParkedKV, pages_to_unpark, park_layers, unpark_layers
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
 from streamgrok.cache.prefix import PrefixIndex
@@ -123,6 +124,7 @@ class PagedKVCache:
         self.prefix = PrefixIndex(self.config.page_size)
         self.rotary = Rotary(model_config, self.device)
         self.sequences: dict[int, SequenceState] = {}
+        self.parked: dict[int, ParkedKV] = {}  # sequences whose KV waits in host memory
         self.stats = CacheStats(evicted_by_layer=[0] * model_config.num_layers)
         self._reservation: Reservation | None = None
         self.tier = self._host_tier(compute_dtype)
@@ -252,14 +254,48 @@ class PagedKVCache:
 
     @torch.inference_mode()
     def remove_sequence(self, seq_id: int) -> None:
-        """Free every page of a sequence."""
+        """Free every page of a sequence (and what it has parked)."""
         seq = self.sequences.pop(seq_id)
+        self.parked.pop(seq_id, None)
         for layer in seq.layers:
             self.pool.release(layer.pages)
             layer.set_pages([])
         self.recaller.forget(seq_id)
         if self.tier is not None:
             self.tier.remove_sequence(seq_id)
+
+    @torch.inference_mode()
+    def park(self, seq_id: int) -> int:
+        """Move a sequence's KV out of the pool into host memory, freeing its pages; its
+        records stay, so `unpark` brings it back exactly. Returns the host bytes it holds.
+        A parked sequence must not be stepped, forked or recalled until it is unparked."""
+        if seq_id in self.parked:
+            return self.parked[seq_id].nbytes
+        if self._reservation is not None and seq_id in self._reservation.counts:
+            raise RuntimeError(f"sequence {seq_id} has pages reserved for a step")
+        parked = self.parked[seq_id] = park_layers(self.pool, self.sequences[seq_id].layers)
+        return parked.nbytes
+
+    @torch.inference_mode()
+    def unpark(self, seq_id: int) -> None:
+        """Put a parked sequence's KV back into pages (CacheFullError, and it stays parked,
+        when the pool lacks them)."""
+        parked = self.parked.get(seq_id)
+        if parked is None:
+            return
+        unpark_layers(self.pool, self.sequences[seq_id].layers, parked)
+        del self.parked[seq_id]
+
+    def pages_to_unpark(self, seq_id: int) -> int:
+        """Pages `unpark(seq_id)` would take (0 when it is not parked)."""
+        if seq_id not in self.parked:
+            return 0
+        return pages_to_unpark(self.sequences[seq_id].layers, self.config.page_size)
+
+    @property
+    def parked_bytes(self) -> int:
+        """Host bytes every parked sequence holds."""
+        return sum(parked.nbytes for parked in self.parked.values())
 
     def min_budget(self) -> int | None:
         """The smallest per-layer token budget (None when the cache never evicts)."""
@@ -481,7 +517,8 @@ class PagedKVCache:
         """
         if not self.config.evicts:
             return 0
-        return evict_each(seq_ids if seq_ids is not None else list(self.sequences),
+        candidates = seq_ids if seq_ids is not None else list(self.sequences)
+        return evict_each([s for s in candidates if s not in self.parked],
                           lambda seq_id: self._evict_sequence(self.sequences[seq_id], force),
                           self.stats, failed)
 

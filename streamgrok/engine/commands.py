@@ -29,3 +29,21 @@ class SessionInfo:
 
     state: SessionState
     done: asyncio.Future
+
+
+@dataclass(frozen=True)
+class ParkSession:
+    """Move the session's KV out of the page pool once it is idle (no answer running, nothing
+    queued); `done` resolves with the host bytes it then holds (0 when it cannot park)."""
+
+    state: SessionState
+    done: asyncio.Future
+
+
+@dataclass(frozen=True)
+class UnparkSession:
+    """Put a parked session's KV back into pages; `done` resolves, or fails with
+    CacheFullError (the session stays parked)."""
+
+    state: SessionState
+    done: asyncio.Future

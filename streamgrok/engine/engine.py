@@ -23,7 +23,13 @@ import torch
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.kv_group import KVGroup
 from streamgrok.cache.paged_cache import PagedKVCache
-from streamgrok.engine.commands import CloseSession, NewSession, SessionInfo
+from streamgrok.engine.commands import (
+    CloseSession,
+    NewSession,
+    ParkSession,
+    SessionInfo,
+    UnparkSession,
+)
 from streamgrok.engine.config import EngineConfig
 from streamgrok.engine.events import AnswerDelta
 from streamgrok.engine.kv_leader import LeaderCache, LeaderModel, kv_parallel_cache, stop_followers
@@ -233,6 +239,21 @@ class Engine:
         self._command(SessionInfo(state, done))
         return await done
 
+    async def park_session(self, state: SessionState) -> int:
+        """Move a session's KV into host memory as soon as it is idle (its running answers
+        done, its queue drained), so it holds no pages; returns the bytes parked (0 when the
+        park was called off by `unpark_session` or a close, or the cache cannot park)."""
+        done = self._require_loop().create_future()
+        self._command(ParkSession(state, done))
+        return await done
+
+    async def unpark_session(self, state: SessionState) -> None:
+        """Bring a parked session's KV back into pages (or call off a pending park); raises
+        CacheFullError, leaving it parked, when the pool lacks the pages."""
+        done = self._require_loop().create_future()
+        self._command(UnparkSession(state, done))
+        await done
+
     def _command(self, command: object) -> None:
         self._commands.put(command)
         self.wake()
@@ -363,6 +384,13 @@ class Engine:
                     self.scheduler.close(state)
                     self.scheduler.outputs.wake(lambda done=done: _resolve(done))
                     self._memory_freed = True
+                case ParkSession(state, done):
+                    self.scheduler.request_park(
+                        state, lambda parked, done=done: _resolve(done, parked))
+                case UnparkSession(state, done):
+                    error = self.scheduler.unpark(state)
+                    self.scheduler.outputs.wake(
+                        lambda done=done, error=error: _resolve(done, error=error))
                 case SessionInfo(state, done):
                     info = self._session_info(state)
                     self.scheduler.outputs.wake(lambda done=done, info=info: _resolve(done, info))
@@ -398,6 +426,11 @@ class Engine:
         self._holding.clear()
 
 
-def _resolve(future: asyncio.Future, value: object = None) -> None:
-    if not future.done():
+def _resolve(future: asyncio.Future, value: object = None,
+             error: BaseException | None = None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
         future.set_result(value)

@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 
 import torch
 
@@ -88,7 +89,47 @@ class Scheduler:
         if state.seq_id in self.cache.sequences:
             self.cache.remove_sequence(state.seq_id)
         self.sessions.pop(state.session_id, None)
+        self._call_off_park(state)
         state.on_closed()
+
+    def request_park(self, state: SessionState, reply: Callable[[int], None]) -> None:
+        """Park the session's KV (see `Engine.park_session`) once it is idle; `reply` gets
+        the parked bytes on the event loop (0: not parked)."""
+        if state.closing or getattr(self.cache, "park", None) is None:
+            self.outputs.wake(lambda: reply(0))  # closed, or a cache that cannot park
+            return
+        state.park_waiters.append(reply)
+        self._park_idle()
+
+    def unpark(self, state: SessionState) -> Exception | None:
+        """Bring a parked session back (or call off its pending park); the CacheFullError
+        when the pool lacks the pages (it stays parked)."""
+        self._call_off_park(state)
+        if not state.parked or state.closing:
+            return None
+        try:
+            self.cache.unpark(state.seq_id)
+        except CacheFullError as exc:
+            return exc
+        state.parked = False
+        return None
+
+    def _call_off_park(self, state: SessionState) -> None:
+        waiters, state.park_waiters = state.park_waiters, []
+        for reply in waiters:
+            self.outputs.wake(lambda reply=reply: reply(0))
+
+    def _park_idle(self) -> None:
+        """Park the sessions asked to park that have nothing running or queued."""
+        for state in self.sessions.values():
+            if (not state.park_waiters or state.closing or not state.registered
+                    or state.answers or len(state.pending)):
+                continue
+            parked = self.cache.park(state.seq_id)
+            state.parked = True
+            waiters, state.park_waiters = state.park_waiters, []
+            for reply in waiters:
+                self.outputs.wake(lambda reply=reply: reply(parked))
 
     def close_all(self) -> None:
         for session in list(self.sessions.values()):
@@ -105,6 +146,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Reap cancelled answers, admit questions reached in the stream, plan the step."""
         self._reap_cancelled()
+        self._park_idle()
         self._admit_questions()
         return self.planner.plan(self.active_sessions())
 
@@ -174,6 +216,8 @@ class Scheduler:
             "kv_pages_used": pool.used_pages,
             "kv_pages_total": pool.num_pages,
             "kv_bytes_used": pool.used_pages * self.cache.page_bytes,
+            "parked_sessions": sum(1 for s in sessions if s.parked),
+            "parked_bytes": getattr(self.cache, "parked_bytes", 0),
             "evicted_tokens": self.cache.stats.evicted_tokens,
             "eviction_passes": self.cache.stats.eviction_passes,
             "dropped_frames": sum(dropped.values()),
@@ -205,7 +249,8 @@ class Scheduler:
         return outputs
 
     def active_sessions(self) -> list[SessionState]:
-        return [s for s in self.sessions.values() if s.registered and not s.closing]
+        return [s for s in self.sessions.values()
+                if s.registered and not s.closing and not s.parked]
 
     # -- transitions -----------------------------------------------------------------------
 

@@ -211,6 +211,22 @@ class Session:
         `retained` (the frames, notes and audio eviction kept), read on the engine thread."""
         return await self._engine.session_info(self._state)
 
+    async def park(self) -> int:
+        """Move this session's KV out of the page pool into host memory once it is idle
+        (see `Engine.park_session`); returns the bytes parked."""
+        self._check_open()
+        return await self._engine.park_session(self._state)
+
+    async def unpark(self) -> None:
+        """Bring this session's KV back into pages (CacheFullError when there is no room)."""
+        self._check_open()
+        await self._engine.unpark_session(self._state)
+
+    @property
+    def parked(self) -> bool:
+        """Whether the session's KV is parked in host memory now."""
+        return self._state.parked
+
     async def close(self) -> None:
         """Cancel answers and free every page of the session."""
         if not self.closed:

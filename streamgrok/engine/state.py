@@ -57,3 +57,6 @@ class SessionState:
     prefix_published: bool = False
     closing: bool = False
     error: str | None = None  # why the engine ended the session, if it failed
+    parked: bool = False  # its KV waits in host memory; nothing of it is scheduled
+    park_waiters: list[Callable[[int], None]] = field(default_factory=list)  # park requested:
+    # called on the event loop with the parked bytes (0: the park was called off)

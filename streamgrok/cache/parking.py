@@ -1,0 +1,56 @@
+"""Parked sequences: a detached session's KV moved out of the page pool into host memory.
+
+A parked sequence keeps its token records (metadata, scores, stream counters) where they are
+and holds no pages; its stored K/V entries (as the pool stores them: float, bfloat16, or int8
+with scales) wait in host tensors until `unpark` copies them into freshly allocated pages.
+Nothing is requantized, so a sequence comes back bit for bit as it left.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from streamgrok.cache.pool import PagePool
+from streamgrok.cache.tokens import LayerTokens
+
+
+@dataclass
+class ParkedKV:
+    """One sequence's stored entries, per layer, in token order (host memory)."""
+
+    layers: list[tuple[torch.Tensor, ...]]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the parked entries hold."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
+
+def park_layers(pool: PagePool, layers: list[LayerTokens]) -> ParkedKV:
+    """Copy every layer's live entries to host memory and release its pages."""
+    stored = []
+    for rec in layers:
+        entries = pool.gather_raw(rec.slots().to(pool.paged_kv().k.device))
+        stored.append(tuple(t.to("cpu", copy=True) for t in entries))
+    for rec in layers:  # only after every copy: a failure above leaves the pages in place
+        pool.release(rec.pages)
+        rec.set_pages([])
+    return ParkedKV(stored)
+
+
+def pages_to_unpark(layers: list[LayerTokens], page_size: int) -> int:
+    """Pages a parked sequence needs to come back."""
+    return sum(math.ceil(rec.length / page_size) for rec in layers)
+
+
+def unpark_layers(pool: PagePool, layers: list[LayerTokens], parked: ParkedKV) -> None:
+    """Allocate pages for every layer (all or none: CacheFullError) and copy its entries
+    back, in token order."""
+    counts = [math.ceil(rec.length / pool.page_size) for rec in layers]
+    for rec, pages, entries in zip(layers, pool.allocate_each(counts), parked.layers):
+        rec.set_pages(pages)
+        device = pool.paged_kv().k.device
+        pool.scatter_raw(rec.slots().to(device), tuple(t.to(device) for t in entries))
