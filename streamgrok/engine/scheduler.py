@@ -129,7 +129,7 @@ class Scheduler:
             state.parked = True
             waiters, state.park_waiters = state.park_waiters, []
             for reply in waiters:
-                self.outputs.wake(lambda reply=reply: reply(parked))
+                self.outputs.wake(lambda reply=reply, parked=parked: reply(parked))
 
     def close_all(self) -> None:
         for session in list(self.sessions.values()):
