@@ -113,7 +113,9 @@ def _add_serve_command(commands) -> None:
     srv.add_argument("--port", type=int, default=8765, help="port for everything (0: any)")
     srv.add_argument("--api-key", "--token", dest="api_key", default=None,
                      help="required off loopback: clients send Authorization: Bearer KEY "
-                          "(or ?token=KEY); also STREAMGROK_API_KEY or STREAMGROK_TOKEN")
+                          "(or ?token=KEY); several keys separated by commas, one per client "
+                          "(a session resumes only with its own key); also STREAMGROK_API_KEY "
+                          "or STREAMGROK_TOKEN")
     srv.add_argument("--allow-origin", action="append", default=[],
                      help="extra browser origin allowed to connect (repeatable)")
     srv.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -153,6 +155,12 @@ def _add_serve_command(commands) -> None:
     srv.add_argument("--small-step-threads", type=int, default=None,
                      help="engine: CPU threads of steps of <= 32 tokens (decode; default: "
                           "--threads, like prefill steps)")
+    srv.add_argument("--resume-ttl", type=float, default=300.0,
+                     help="seconds a session whose connection dropped stays resumable with "
+                          "session.resume (0: a dropped connection ends its session)")
+    srv.add_argument("--max-detached", type=int, default=8,
+                     help="detached sessions kept for resumption at once (the oldest ends "
+                          "first)")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight answers may finish after SIGTERM/SIGINT")
     srv.add_argument("--media-workers", type=int, default=2,
@@ -674,7 +682,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes, max_request_bytes=args.max_request_bytes,
         max_completion_tokens=args.max_completion_tokens,
         max_media_per_second=args.max_media_per_second, idle_timeout_s=args.idle_timeout,
-        model_name=args.served_model_name, replica=args.replica_name)
+        model_name=args.served_model_name, replica=args.replica_name,
+        resume_ttl_s=args.resume_ttl, max_detached=args.max_detached)
     cache = cache_config(args)
     engine = EngineConfig(max_batch=args.max_batch, step_tokens=args.step_tokens,
                           nano_batches=args.nano_batches,

@@ -51,6 +51,7 @@ async def test_signal_drains_answers_then_ends_sessions_and_exits_zero(tiny_gguf
         done = kinds.index(("response.done", "stop")) if ("response.done", "stop") in kinds \
             else kinds.index(("response.done", "length"))
         assert kinds.index(("session.ended", None)) > done  # the answer finished first
+        assert kinds.index(("session.going_away", None)) < done  # told before the drain
         assert await asyncio.wait_for(process.wait(), 60) == 0
         with pytest.raises(OSError):  # no longer accepting
             await asyncio.open_connection("127.0.0.1", port)

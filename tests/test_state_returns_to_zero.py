@@ -103,13 +103,19 @@ def counts(server: StreamgrokServer) -> dict:
 class Session:
     """One protocol v1 client with a running session."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, handle: str | None = None) -> None:
+        """A new session, or with `handle` the detached one it resumes."""
         self.ws: ClientConnection = connect(f"ws://127.0.0.1:{port}/ws", open_timeout=WAIT_S,
                                             legacy=True)
         self.asked = 0
         self.pings = 0
-        self.send({"type": "session.start", "id": "start"})
-        self.until(lambda m: m["type"] == "session.started")
+        if handle is None:
+            self.send({"type": "session.start", "id": "start"})
+            started = self.until(lambda m: m["type"] == "session.started")[-1]
+        else:
+            self.send({"type": "session.resume", "handle": handle})
+            started = self.until(lambda m: m["type"] == "session.resumed")[-1]
+        self.handle: str = started["resume"]["handle"]
 
     def send(self, message: dict | str | bytes) -> None:
         self.ws.send(json.dumps(message) if isinstance(message, dict) else message)
@@ -153,10 +159,12 @@ class ServerStateMachine(RuleBasedStateMachine):
     server_thread: ServerThread  # set by the test, one server for every example
 
     sessions = Bundle("sessions")
+    away = Bundle("away")  # resume handles of sessions whose client vanished
 
     def __init__(self) -> None:
         super().__init__()
         self.open: list[Session] = []
+        self.detached: list[str] = []
 
     # -- sessions -------------------------------------------------------------------------
 
@@ -169,20 +177,31 @@ class ServerStateMachine(RuleBasedStateMachine):
 
     @rule(session=consumes(sessions))
     def end_session(self, session: Session) -> None:
-        session.send({"type": "session.end"})
-        session.until(lambda m: m["type"] == "session.ended")
-        session.ws.close()
+        end(session)
         self.open.remove(session)
 
-    @rule(session=consumes(sessions), mid_answer=st.booleans())
-    def vanish(self, session: Session, mid_answer: bool) -> None:
-        """The client goes away without a word, possibly with an answer streaming."""
+    @precondition(lambda self: len(self.detached) < MAX_SESSIONS)
+    @rule(target=away, session=consumes(sessions), mid_answer=st.booleans())
+    def vanish(self, session: Session, mid_answer: bool) -> str:
+        """The client goes away without a word, possibly with an answer streaming: its
+        session waits, detached, for a resume."""
         if mid_answer:
             query_id = session.query()
             session.until(lambda m: m["type"] in ("response.delta", "response.done")
                           and m.get("query_id") == query_id)
         session.ws.close()
         self.open.remove(session)
+        self.detached.append(session.handle)
+        return session.handle
+
+    @precondition(lambda self: len(self.open) < MAX_SESSIONS)
+    @rule(target=sessions, handle=consumes(away))
+    def come_back(self, handle: str) -> Session:
+        """The vanished client resumes its session on a new connection."""
+        session = Session(self.server_thread.port, handle)
+        self.detached.remove(handle)
+        self.open.append(session)
+        return session
 
     # -- questions ------------------------------------------------------------------------
 
@@ -291,7 +310,8 @@ class ServerStateMachine(RuleBasedStateMachine):
             now = self.server_thread.call(lambda: counts(server))
             sessions = self.server_thread.call(lambda: server.active_sessions)
             pages = server.engine.snapshot()["kv_pages_used"]
-            settled = now == zero and sessions == len(self.open) and (self.open or pages == 0)
+            settled = (now == zero and sessions == len(self.open) + len(self.detached)
+                       and (self.open or pages == 0))  # a detached session holds no page
             if settled:
                 return
             if time.monotonic() > deadline:
@@ -302,14 +322,25 @@ class ServerStateMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for session in self.open:
             session.ws.close()
+            self.detached.append(session.handle)
         self.open.clear()
+        self.nothing_stays_counted()
+        for handle in list(self.detached):  # every detached session comes back and ends
+            end(Session(self.server_thread.port, handle))
+            self.detached.remove(handle)
         self.nothing_stays_counted()
         # and the idle server answers a question
         session = Session(self.server_thread.port)
         done = session.done(session.query())
         assert done["finish_reason"] in ("stop", "length"), done
-        session.ws.close()
+        end(session)
         self.nothing_stays_counted()
+
+
+def end(session: Session) -> None:
+    session.send({"type": "session.end"})
+    session.until(lambda m: m["type"] == "session.ended")
+    session.ws.close()
 
 
 @pytest.fixture(scope="module")

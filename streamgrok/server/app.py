@@ -41,6 +41,7 @@ from streamgrok.server.load import (
 )
 from streamgrok.server.metrics import ServerMetrics
 from streamgrok.server.refusals import RefusalLog
+from streamgrok.server.resumption import ResumeShelf
 
 log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -76,6 +77,8 @@ class ServerConfig:
     max_images: int = 8  # images in one HTTP request
     model_name: str | None = None  # the id /v1/models lists (default: the model file's name)
     replica: str | None = None  # this server's name among replicas (default: host:port)
+    resume_ttl_s: float = 300.0  # how long a session outlives its dropped connection (0: not)
+    max_detached: int = 8  # sessions kept for resumption at once (the oldest ends first)
 
     def __post_init__(self) -> None:
         self.token = self.token or next(
@@ -122,7 +125,7 @@ class StreamgrokServer:
         self.cache_config = cache or CacheConfig()
         self.metrics = ServerMetrics(
             self.drops, lambda: self.engine.snapshot() if self.engine is not None else None,
-            lambda: self.model_name)
+            lambda: self.model_name, self.resumption_numbers)
         self.governor = LoadGovernor(self.resources.degradation, config.load_limits)
         self.session_refusals = RefusalLog("session", self.metrics.refused)
         self.question_refusals = RefusalLog("question", self.metrics.refused_questions)
@@ -136,6 +139,8 @@ class StreamgrokServer:
         self.active_sessions = 0
         self.connections: set[ClientConnection] = set()
         self.access = Access(config.token, config.allowed_origins)
+        self.shelf = ResumeShelf(config.resume_ttl_s, config.max_detached)
+        self._sweeping: asyncio.Task | None = None
         self.accepting = True  # False while draining: new sessions and requests get 503
         self.http: _Uvicorn | None = None
         self._socket: socket.socket | None = None
@@ -226,8 +231,33 @@ class StreamgrokServer:
         http_config.load()
         self.http.lifespan = http_config.lifespan_class(http_config)
         await self.http.startup(sockets=[sock])
+        if self.shelf.enabled:
+            self._sweeping = asyncio.create_task(self._sweep_detached())
         if self.loaded is not None:
             self._start_engine()
+
+    async def _sweep_detached(self) -> None:
+        """End detached sessions whose resume time ran out (checked every second)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.shelf.ttl_s))
+            for connection in self.shelf.expired(time.monotonic()):
+                try:
+                    await connection.expire("expired")
+                except Exception:
+                    log.exception("ending an expired session failed")
+
+    def resumption_numbers(self) -> dict[str, int]:
+        """Detached sessions now, and what became of detached sessions and resumes."""
+        stats = self.shelf.stats
+        return {"detached": len(self.shelf.detached()), "resumed": stats.resumed,
+                "expired": stats.expired, "evicted": stats.evicted, "refused": stats.refused}
+
+    async def make_room(self) -> None:
+        """Before a new session starts: when the server is at `max_sessions` and some are
+        detached, the oldest detached one ends to make room."""
+        while self.active_sessions >= self.config.max_sessions and self.shelf.detached():
+            self.shelf.stats.evicted += 1
+            await self.shelf.detached()[0].connection.expire("evicted")
 
     async def load(self, loaded: LoadedModel) -> None:
         """The model is loaded: prepare the pipeline and start the engine (then /health is
@@ -331,13 +361,19 @@ class StreamgrokServer:
         return tokens
 
     async def stop(self) -> None:
-        """Close every connection and stop the engine and media workers (idempotent)."""
+        """Close every connection, end every session (detached ones too) and stop the
+        engine and media workers (idempotent)."""
+        self.accepting = False  # a connection closed from here on ends its session
         if self._governing is not None:
             self._governing.cancel()
+        if self._sweeping is not None:
+            self._sweeping.cancel()
         if self.http is not None:
             http, self.http = self.http, None
             http.should_exit = True
             await http.shutdown(sockets=[self._socket])
+        for entry in self.shelf.detached():
+            await entry.connection.expire("shutdown")
         if self.engine is not None:
             await self.engine.stop()
         self.resources.close()
@@ -369,12 +405,13 @@ class StreamgrokServer:
         try:
             await connection.serve()
         finally:
-            self.connections.discard(connection)
+            if not connection.detached:  # a detached session waits for its client
+                self.connections.discard(connection)
 
     def live_session(self, session_id: str) -> ClientConnection | None:
         """The websocket client whose running session has this id (for HTTP questions about
         a live stream)."""
-        return next((c for c in self.connections if c.runner is not None
+        return next((c for c in self.connections if c.runner is not None and not c.detached
                      and c.runner.session is not None
                      and str(c.runner.session.id) == str(session_id)), None)
 
@@ -382,6 +419,10 @@ class StreamgrokServer:
         """Graceful stop: accept no one new, let in-flight answers finish for up to
         `timeout_s`, then end every session (`session.ended`, close 1001) and stop."""
         self.accepting = False
+        for connection in list(self.connections):
+            if connection.runner is not None and not connection.detached:
+                connection.send("session.going_away", seconds=timeout_s, resumable=False,
+                                reason="server shutting down")
         if self.http is not None:
             for listener in self.http.servers:
                 listener.close()

@@ -17,8 +17,9 @@ class ClientGone(Exception):
 class AsgiSocket:
     """Wraps a Starlette `WebSocket` that is already accepted."""
 
-    def __init__(self, websocket: WebSocket) -> None:
+    def __init__(self, websocket: WebSocket, principal: str = "") -> None:
         self.websocket = websocket
+        self.principal = principal  # the API key it was let in with ("" without keys)
 
     async def recv(self) -> str | bytes:
         """The next message, text or binary; raises `ClientGone` when the client left."""

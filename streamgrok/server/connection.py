@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from streamgrok.errors import RequestTooLarge, StreamgrokError
+from streamgrok.errors import CacheFullError, RequestTooLarge, StreamgrokError
 from streamgrok.media.container_process import ContainerProcess
 from streamgrok.media.decode import AUDIO_RATE, container_kind
 from streamgrok.media.items import AudioChunk, VideoFrame
@@ -38,7 +38,13 @@ ESSENTIAL = {"response.done", "error", "session.started", "session.ended"}
 
 
 class ClientConnection:
-    """Owns one client's session; bad input gets an `error` event, never a crash."""
+    """Owns one client's session; bad input gets an `error` event, never a crash.
+
+    The session outlives a dropped socket when the server allows resumption: it waits,
+    detached, until a `session.resume` with its handle attaches another socket, or its time
+    runs out."""
+
+    resumable = True  # protocol v1 sessions can be resumed
 
     def __init__(self, server: StreamgrokServer, ws: AsgiSocket) -> None:
         self.server = server
@@ -61,27 +67,155 @@ class ClientConnection:
         self.outbox_ready = asyncio.Event()
         self.dropped_outbound = 0
         self.closed = False
+        # resumption: the session's handle, whether its client is away, and the socket
+        # that a `session.resume` hands over to the session it names
+        self.resume_handle: str | None = None
+        self.detached = False
+        self.stream_time_at_detach = 0.0
+        self.parking: asyncio.Future | None = None
+        self.handover: ClientConnection | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def serve(self) -> None:
+        """Serve this websocket until the client leaves. A session whose client drops is
+        kept for resumption when the server allows it (`detached`); one resumed on this
+        socket by `session.resume` is served here from then on."""
+        successor = await self._serve_socket()
+        while successor is not None:  # a detached session resumed on this socket
+            successor, resumed = None, successor
+            self.server.connections.add(resumed)
+            try:
+                successor = await resumed._serve_socket()
+            finally:
+                if not resumed.detached:
+                    self.server.connections.discard(resumed)
+
+    async def _serve_socket(self) -> ClientConnection | None:
+        """Read this socket's messages; returns the detached session a `session.resume`
+        handed this socket to, if any."""
         writer = asyncio.create_task(self._writer())
         media = asyncio.create_task(self._media_loop())
+        idle = False
         try:
-            while True:
+            while self.handover is None:
                 try:
                     raw = await asyncio.wait_for(self.ws.recv(), self.config.idle_timeout_s)
                 except TimeoutError:
+                    idle = True
                     await self.ws.close(1000, "idle timeout")
-                    return
+                    return None
                 await self._handle_safely(raw)
         except ClientGone:
             pass
         finally:
-            self.closed = True
             media.cancel()
-            await self._end_session()
-            writer.cancel()
+            if self.handover is None and not idle and self._resumable():
+                writer.cancel()
+                await self._detach()
+            elif self.handover is None:
+                self.closed = True
+                await self._end_session()
+                writer.cancel()
+            else:
+                writer.cancel()
+        successor, self.handover = self.handover, None
+        return successor
+
+    def _resumable(self) -> bool:
+        return (self.resumable and self.runner is not None and self.resume_handle is not None
+                and self.server.shelf.enabled and self.server.accepting)
+
+    async def _detach(self) -> None:
+        """The client dropped: keep the session for `--resume-ttl` seconds, its KV parked
+        in host memory once its running answers end (answers finishing meanwhile wait for
+        the client in the outbox; their deltas and stats are not kept)."""
+        self.detached = True
+        self.ws = None
+        self.stream_time_at_detach = self.runner.stats.stream_time
+        log.info("session %s detached; resumable for %g s", self.runner.session.id,
+                 self.server.shelf.ttl_s,
+                 extra={"event": "session.detached", "session": self.runner.session.id})
+        for victim in self.server.shelf.detach(self.resume_handle):
+            await victim.expire("evicted")
+        if self.detached and self.runner is not None:
+            self.parking = asyncio.ensure_future(self._park())
+
+    async def _park(self) -> None:
+        try:
+            await self.runner.session.park()
+        except StreamgrokError:  # the session ended meanwhile
+            pass
+
+    async def expire(self, reason: str) -> None:
+        """End a detached session for good (its TTL passed, or it made room)."""
+        if not self.detached:
+            return
+        log.info("detached session %s ended (%s)",
+                 self.runner.session.id if self.runner else "?", reason,
+                 extra={"event": "session.expired"})
+        if reason == "expired":
+            self.server.shelf.stats.expired += 1
+        self.closed = True
+        await self._end_session()
+        self.detached = False
+        self.server.connections.discard(self)
+
+    async def _resume(self, message: dict) -> None:
+        """`session.resume`: take a detached session back onto this socket (or, with
+        `or_start`, start a new session when its handle is unknown or expired)."""
+        if self.runner is not None:
+            raise ProtocolError("session_exists", "session.resume while a session runs",
+                                message.get("id"))
+        shelf = self.server.shelf
+        try:
+            target, since, away = shelf.claim(message["handle"], self.ws.principal)
+        except ProtocolError as exc:
+            exc.message_id = message.get("id")
+            if exc.code in ("resume_unknown", "resume_expired") and message.get("or_start"):
+                self.error(exc.code, f"{exc}; starting a new session", message.get("id"))
+                await self._start(message)
+                return
+            raise
+        try:
+            await target.runner.session.unpark()
+        except CacheFullError as exc:
+            shelf.give_back(target.resume_handle, since, away)
+            raise ProtocolError("busy", f"no room to bring the session back now ({exc}); "
+                                "retry soon", message.get("id")) from None
+        target.attach(self.ws, since, away, message.get("id"))
+        shelf.stats.resumed += 1
+        self.handover = target
+
+    def attach(self, ws: AsgiSocket, since: float, away: float, message_id: Any) -> None:
+        """Serve this (detached) session on `ws` again: `session.resumed` first, then what
+        finished while it was away, with a new resume handle."""
+        self.ws, self.detached, self.closed = ws, False, False
+        self.media_times.clear()
+        self.resume_handle = self.server.shelf.issue(self, ws.principal, self.resume_handle)
+        held = len(self.outbox)
+        self.outbox.appendleft(("session.resumed", event(
+            "session.resumed", id=message_id, **self.session_description(),
+            gap={"start": since, "end": since + away, "seconds": away,
+                 "stream_time": self.stream_time_at_detach},
+            delivered=held)))
+        self.outbox_ready.set()
+        log.info("session %s resumed after %.1f s (%d messages held)", self.runner.session.id,
+                 away, held, extra={"event": "session.resumed", "session": self.runner.session.id})
+
+    def session_description(self) -> dict:
+        """What `session.started` and `session.resumed` say of the session."""
+        return {"session_id": self.runner.session.id, "pipeline": self.runner.pipeline.name,
+                "model": self.server.loaded.name, "vision": self.runner.vision_path(),
+                "answers": self.runner.answer_context(), "replica": self.server.replica,
+                "resume": self.resume_info()}
+
+    def resume_info(self) -> dict | None:
+        """The session's resume handle and how long it outlives a dropped connection (None
+        when the server keeps no session after a disconnect)."""
+        if self.resume_handle is None:
+            return None
+        return {"handle": self.resume_handle, "ttl_s": self.server.shelf.ttl_s}
 
     def oldest_wait(self, now: float) -> float:
         """How long the oldest question of this client has waited for its first token."""
@@ -94,6 +228,9 @@ class ClientConnection:
 
     async def shutdown(self, reason: str, flush_s: float = 2.0) -> None:
         """End the session for a server shutdown: `session.ended`, then close 1001."""
+        if self.detached:
+            await self.expire("shutdown")
+            return
         await self._end_session()
         self.send("session.ended", reason=reason)
         deadline = time.monotonic() + flush_s
@@ -140,6 +277,9 @@ class ClientConnection:
         if kind == "session.start":
             await self._start(message)
             return
+        if kind == "session.resume":
+            await self._resume(message)
+            return
         if kind == "audio.format":  # the rate of the audio.pcm16 messages that follow
             try:
                 self.audio_resampler = PcmResampler(message["rate"])
@@ -169,13 +309,12 @@ class ClientConnection:
         if self.runner is not None:
             raise ProtocolError("session_exists", "session.start sent twice", message.get("id"))
         await self.server.media_models()
+        await self.server.make_room()
         self.open_session(message.get("options"), message.get("id"))
         self.tasks.append(asyncio.create_task(self._stats_loop()))
-        self.send("session.started", session_id=self.runner.session.id,
-                  pipeline=self.runner.pipeline.name, model=self.server.loaded.name,
-                  vision=self.runner.vision_path(), answers=self.runner.answer_context(),
-                  replica=self.server.replica,
-                  id=message.get("id"))
+        if self.resumable and self.server.shelf.enabled:
+            self.resume_handle = self.server.shelf.issue(self, self.ws.principal)
+        self.send("session.started", id=message.get("id"), **self.session_description())
 
     def open_session(self, options: dict | None, message_id: Any = None) -> None:
         """Start this client's pipeline on a new engine session (refused `busy` when the
@@ -385,6 +524,8 @@ class ClientConnection:
     def _queue(self, kind: str, text: str) -> None:
         if self.closed:
             return
+        if self.detached and kind in ("response.delta", "stats"):
+            return  # superseded: response.done carries the whole text, stats come anew
         if len(self.outbox) >= self.config.outbound_queue:
             self.dropped_outbound += 1
             self.server.metrics.outbound_dropped.inc()
@@ -439,6 +580,7 @@ class ClientConnection:
             "speech": self.server.resources.speech_stats(),
             "stream_time": runner.stats.stream_time if runner else 0.0,
             "latency": {"step_ms_p50": snap["step_ms_p50"], "step_ms_p95": snap["step_ms_p95"]},
+            "resume": self.resume_info(),
         }
 
     def drops(self, runner: PipelineRunner | None = None) -> dict[str, int]:
@@ -479,6 +621,10 @@ class ClientConnection:
         if self.runner is None:
             return
         runner, self.runner = self.runner, None
+        self.server.shelf.forget(self.resume_handle)
+        self.resume_handle = None
+        if self.parking is not None:
+            self.parking.cancel()
         drops = self.drops(runner)
         log.info("session %s ended: %d frames received, %d answers, drops %s",
                  runner.session.id, self.frame_index, self.queries_asked,

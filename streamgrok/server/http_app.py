@@ -56,15 +56,19 @@ def build_app(server: StreamgrokServer) -> Starlette:
             return False
         return True
 
+    def socket(websocket: WebSocket) -> AsgiSocket:
+        principal = access.principal(websocket.headers, websocket.query_params)
+        return AsgiSocket(websocket, principal or "")
+
     async def protocol_v1(websocket: WebSocket) -> None:
         if await websocket_gate(websocket):
             await websocket.accept()
-            await server.serve_websocket(AsgiSocket(websocket))
+            await server.serve_websocket(socket(websocket))
 
     async def realtime(websocket: WebSocket) -> None:
         if await websocket_gate(websocket):
             await websocket.accept()
-            await server.serve_websocket(AsgiSocket(websocket), RealtimeConnection)
+            await server.serve_websocket(socket(websocket), RealtimeConnection)
 
     async def health(request: Request) -> Response:
         if not server.ready:

@@ -21,7 +21,8 @@ class ServerMetrics:
 
     def __init__(self, drops: Callable[[], dict[str, int]] = dict,
                  snapshot: Callable[[], dict | None] = lambda: None,
-                 model: Callable[[], str] = lambda: "") -> None:
+                 model: Callable[[], str] = lambda: "",
+                 resumption: Callable[[], dict[str, int]] = dict) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         r = self.registry
@@ -53,6 +54,7 @@ class ServerMetrics:
         self.build = Info("streamgrok_build", "streamgrok version", registry=r)
         self.build.info({"version": __version__})
         r.register(_DropsCollector(drops))
+        r.register(_ResumptionCollector(resumption))
         r.register(_EngineCollector(snapshot, model))
 
     def observe_answer(self, metrics: dict) -> None:
@@ -86,6 +88,29 @@ class _DropsCollector(Collector):
         yield family
 
 
+class _ResumptionCollector(Collector):
+    """Detached sessions waiting for their clients, and what became of resume requests."""
+
+    def __init__(self, resumption: Callable[[], dict[str, int]]) -> None:
+        self.resumption = resumption
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        numbers = self.resumption()
+        if not numbers:
+            return
+        yield GaugeMetricFamily("streamgrok_detached_sessions", "Sessions whose client left, "
+                                "kept for a resume", value=numbers["detached"])
+        outcomes = CounterMetricFamily("streamgrok_detached_sessions_ended",
+                                       "Detached sessions that ended, by outcome (resumed, "
+                                       "expired, evicted)", labels=["outcome"])
+        for outcome in ("resumed", "expired", "evicted"):
+            outcomes.add_metric([outcome], numbers[outcome])
+        yield outcomes
+        yield CounterMetricFamily("streamgrok_resumes_refused", "session.resume requests "
+                                  "refused (unknown, expired, other key, in use, no room)",
+                                  value=numbers["refused"])
+
+
 class _EngineCollector(Collector):
     """The engine's numbers, read from its published snapshot when scraped."""
 
@@ -110,6 +135,8 @@ class _EngineCollector(Collector):
                                 value=used / total if total else 0.0)
         yield GaugeMetricFamily("streamgrok_kv_used_bytes", "KV bytes in use",
                                 value=snap["kv_bytes_used"])
+        yield GaugeMetricFamily("streamgrok_kv_parked_bytes", "KV bytes of detached sessions "
+                                "parked in host memory", value=snap.get("parked_bytes", 0))
         yield CounterMetricFamily("streamgrok_evicted_tokens", "Tokens evicted from the KV cache",
                                   value=snap["evicted_tokens"])
         yield from _tier_metrics(snap.get("host_tier"))

@@ -21,6 +21,7 @@ MAX_ID_CHARS = 128
 MEDIA_KINDS = {1: "video.frame", 2: "video.chunk", 3: "audio.pcm16"}
 CLIENT_TYPES = {
     "session.start": (),
+    "session.resume": ("handle",),
     "input.text": ("text",),
     "query": ("text",),
     "response.cancel": ("query_id",),
@@ -49,7 +50,13 @@ ERROR_CODES = {
     "bad_image": "a frame that is not a JPEG/PNG within the size limits",
     "bad_audio": "audio that is not PCM16 mono, or an audio.format rate outside 8-192 kHz",
     "rate_limited": "media over the per-second limit: dropped (one error a second at most)",
-    "busy": "the server has no room for another session",
+    "busy": "the server has no room for another session (or, for session.resume, no KV "
+            "room to bring the session back now)",
+    "resume_unknown": "session.resume with a handle no session has",
+    "resume_expired": "session.resume for a session that has ended (its resume time ran out, "
+                      "it ended, or a newer handle replaced this one)",
+    "resume_forbidden": "session.resume with a handle made with another API key",
+    "resume_in_use": "session.resume for a session attached to another connection",
     "bad_request": "a well-formed request the session cannot serve as asked (the message "
                    "says why)",
     "answer_failed": "an answer failed after it started (its query_id and a response.done "

@@ -59,7 +59,10 @@ SPEECH_WAIT_S = 15.0  # response.create after audio: how long to wait for its tr
 
 class RealtimeConnection(ClientConnection):
     """One Realtime client: a live pipeline session (observers, speech, the KV cache) that
-    speaks the Realtime events instead of protocol v1."""
+    speaks the Realtime events instead of protocol v1. Its session ends with its connection
+    (resumption is protocol v1's)."""
+
+    resumable = False
 
     def __init__(self, server, ws: AsgiSocket) -> None:
         super().__init__(server, ws)

@@ -1,0 +1,151 @@
+"""Resume handles: a live session outlives its connection for a while, and a client that
+comes back with the session's handle (and the API key that made it) carries on with it.
+
+The shelf owns the handles of every resumable session and the bookkeeping of the detached
+ones (when they left, when they expire); the connection objects own the sessions themselves.
+A handle is opaque and unguessable (`secrets`), bound to a digest of the API key its session
+was made with, valid for one attachment at a time, and replaced by a new one at each resume.
+Handles of sessions that ended are remembered (a bounded number) so a late client hears
+`resume_expired` rather than `resume_unknown`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+from streamgrok.server.protocol import ProtocolError
+
+ENDED_REMEMBERED = 4096  # handles of ended sessions kept to say `resume_expired`
+
+
+class Resumable(Protocol):
+    """What the shelf needs of a session's connection."""
+
+    async def expire(self, reason: str) -> None:
+        """End the detached session for good."""
+
+
+@dataclass
+class ShelfEntry:
+    """One resumable session: its connection, its owner and, while detached, since when."""
+
+    connection: Resumable
+    owner: bytes  # digest of the API key its session was made with
+    detached_at: float | None = None  # monotonic seconds; None while attached
+    detached_wall: float | None = None  # unix seconds, for the client's gap
+
+
+@dataclass
+class ShelfStats:
+    """What the shelf has done, for `/metrics`."""
+
+    resumed: int = 0
+    expired: int = 0  # detached past the TTL
+    evicted: int = 0  # ended early to bound detached sessions or make room for a new one
+    refused: int = 0  # resume requests refused (unknown, expired, forbidden, in use)
+
+
+class ResumeShelf:
+    """Handles of resumable sessions; detached sessions wait here until they are resumed or
+    expire (`ttl_s`), at most `max_detached` at a time (the oldest goes first)."""
+
+    def __init__(self, ttl_s: float, max_detached: int) -> None:
+        self.ttl_s = ttl_s
+        self.max_detached = max_detached
+        self.entries: dict[str, ShelfEntry] = {}
+        self.ended: OrderedDict[str, None] = OrderedDict()
+        self.stats = ShelfStats()
+
+    @property
+    def enabled(self) -> bool:
+        """Sessions are kept after a disconnect (a TTL and room for at least one)."""
+        return self.ttl_s > 0 and self.max_detached > 0
+
+    def issue(self, connection: Resumable, principal: str, old: str | None = None) -> str:
+        """A new handle for `connection`'s session (replacing `old`, which stops working)."""
+        owner = _digest(principal)
+        if old is not None and self.entries.pop(old, None) is not None:
+            self.retire(old)
+        handle = secrets.token_urlsafe(24)
+        self.entries[handle] = ShelfEntry(connection, owner)
+        return handle
+
+    def detach(self, handle: str) -> list[Resumable]:
+        """The session's client left: it waits here. Returns the detached sessions that must
+        now end to keep at most `max_detached` (oldest first)."""
+        entry = self.entries[handle]
+        entry.detached_at, entry.detached_wall = time.monotonic(), time.time()
+        over = len(self.detached()) - self.max_detached
+        victims = [e.connection for e in self.detached()[:max(over, 0)]]
+        self.stats.evicted += len(victims)
+        return victims
+
+    def claim(self, handle: object, principal: str) -> tuple[Resumable, float, float]:
+        """Take a detached session back for a client offering `handle` with `principal`:
+        (its connection, when it detached in unix seconds, seconds away). Raises ProtocolError
+        `resume_unknown`, `resume_expired`, `resume_forbidden` (another API key made it) or
+        `resume_in_use` (it is attached); the session then stays as it was."""
+        if not isinstance(handle, str):
+            self.stats.refused += 1
+            raise ProtocolError("bad_field", "session.resume.handle must be a string")
+        entry = self.entries.get(handle)
+        if entry is None:
+            self.stats.refused += 1
+            if handle in self.ended:
+                raise ProtocolError("resume_expired", "the session of this handle has ended "
+                                    "(expired, ended, or replaced by a newer handle)")
+            raise ProtocolError("resume_unknown", "no session has this resume handle")
+        if not hmac.compare_digest(entry.owner, _digest(principal)):
+            self.stats.refused += 1
+            raise ProtocolError("resume_forbidden", "this handle's session was made with "
+                                "another API key")
+        if entry.detached_at is None:
+            self.stats.refused += 1
+            raise ProtocolError("resume_in_use", "this session is attached to another "
+                                "connection; a handle works for one connection at a time")
+        away = time.monotonic() - entry.detached_at
+        since = entry.detached_wall
+        entry.detached_at = entry.detached_wall = None
+        return entry.connection, since, away
+
+    def give_back(self, handle: str, since: float, away: float) -> None:
+        """A claim that could not finish (no room to bring the session back): detached
+        again, as it was."""
+        entry = self.entries.get(handle)
+        if entry is not None:
+            entry.detached_wall = since
+            entry.detached_at = time.monotonic() - away
+        self.stats.refused += 1
+
+    def forget(self, handle: str | None) -> None:
+        """The session ended: its handle stops working (and is remembered as ended)."""
+        if handle is None or self.entries.pop(handle, None) is None:
+            return
+        self.ended[handle] = None
+        while len(self.ended) > ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
+
+    def retire(self, handle: str) -> None:
+        """A handle replaced by a newer one: remembered as ended."""
+        self.ended[handle] = None
+        while len(self.ended) > ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
+
+    def detached(self) -> list[ShelfEntry]:
+        """The detached sessions, oldest first."""
+        return sorted((e for e in self.entries.values() if e.detached_at is not None),
+                      key=lambda e: e.detached_at)
+
+    def expired(self, now: float) -> list[Resumable]:
+        """The detached sessions past their TTL."""
+        return [e.connection for e in self.detached() if now - e.detached_at >= self.ttl_s]
+
+
+def _digest(principal: str) -> bytes:
+    return hashlib.sha256(principal.encode()).digest()

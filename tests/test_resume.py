@@ -1,0 +1,173 @@
+"""Session resumption over protocol v1: a dropped client comes back to the same session."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from test_server import fetch, recv_until, url
+from websockets.asyncio.client import connect
+
+from streamgrok.cache.config import CacheConfig
+from streamgrok.server.app import ServerConfig, StreamgrokServer
+
+PIPELINE = "pipelines/live_qa.py"
+
+
+def config(**fields) -> ServerConfig:
+    return ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
+                        stats_interval_s=0.2, load_tick_s=None, **fields)
+
+
+@pytest.fixture
+async def server(tiny_loaded):
+    srv = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30),
+                           CacheConfig(budget_tokens=512, memory_gib=0.05))
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+async def wait_for(condition, seconds: float = 10.0) -> None:
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+async def started_session(ws) -> dict:
+    await ws.send(json.dumps({"type": "session.start", "id": "s"}))
+    started, _ = await recv_until(ws, "session.started")
+    return started
+
+
+async def test_a_dropped_session_resumes_with_its_context_and_a_new_handle(server):
+    async with connect(url(server)) as ws:
+        started = await started_session(ws)
+        handle = started["resume"]["handle"]
+        assert started["resume"]["ttl_s"] == 30
+        await ws.send(json.dumps({"type": "input.text", "text": "The code word is pelican."}))
+        await ws.send(json.dumps({"type": "query", "id": "q1", "text": "Word?"}))
+        await recv_until(ws, "response.done")
+        stats, _ = await recv_until(ws, "stats")
+        assert stats["resume"]["handle"] == handle
+        tokens_before = stats["kv"]["layer_tokens"]
+    engine = server.engine
+    await wait_for(lambda: engine.snapshot()["parked_sessions"] == 1)
+    assert engine.snapshot()["kv_pages_used"] == 0  # the detached session holds no pages
+    assert engine.snapshot()["parked_bytes"] > 0 and server.active_sessions == 1
+    async with connect(url(server)) as ws:
+        await ws.send(json.dumps({"type": "session.resume", "id": "r", "handle": handle}))
+        resumed, _ = await recv_until(ws, "session.resumed")
+        assert resumed["id"] == "r" and resumed["session_id"] == started["session_id"]
+        assert resumed["gap"]["seconds"] >= 0 and resumed["gap"]["end"] >= resumed["gap"]["start"]
+        assert resumed["resume"]["handle"] != handle  # rotated: the old one is spent
+        assert engine.snapshot()["parked_sessions"] == 0
+        stats, _ = await recv_until(ws, "stats")
+        assert stats["kv"]["layer_tokens"] == tokens_before  # the context is all there
+        await ws.send(json.dumps({"type": "query", "id": "q2", "text": "And now?"}))
+        done, _ = await recv_until(ws, "response.done")
+        assert done["query_id"] == "q2" and done["tokens"] > 0
+        await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
+        error, _ = await recv_until(ws, "error")
+        assert error["code"] == "session_exists"
+    async with connect(url(server)) as ws:  # the replaced handle no longer works
+        await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
+        error, _ = await recv_until(ws, "error")
+        assert error["code"] == "resume_expired"
+    _, metrics = await asyncio.to_thread(fetch, server, "/metrics")
+    assert 'streamgrok_detached_sessions_ended_total{outcome="resumed"} 1.0' in metrics
+    assert "streamgrok_resumes_refused_total 1.0" in metrics
+
+
+async def test_an_answer_finished_while_away_is_delivered_once_on_resume(server):
+    async with connect(url(server)) as ws:
+        handle = (await started_session(ws))["resume"]["handle"]
+        await ws.send(json.dumps({"type": "query", "id": "long", "text": "Tell me a story."}))
+        await recv_until(ws, "response.delta")
+    await wait_for(lambda: server.engine.snapshot()["parked_sessions"] == 1)  # after the answer
+    async with connect(url(server)) as ws:
+        await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
+        resumed, seen = await recv_until(ws, "session.resumed")
+        assert seen == [resumed] and resumed["delivered"] >= 1  # session.resumed comes first
+        done, seen = await recv_until(ws, "response.done")
+        assert done["query_id"] == "long" and done["text"]
+        assert not any(m["type"] == "response.delta" for m in seen)  # done carries the text
+        await ws.send(json.dumps({"type": "session.end"}))
+        _, seen = await recv_until(ws, "session.ended")
+        assert not any(m["type"] == "response.done" for m in seen)  # delivered once only
+    await wait_for(lambda: server.active_sessions == 0)
+    assert server.engine.cache.pool.used_pages == 0 and server.engine.cache.parked_bytes == 0
+
+
+async def test_unknown_in_use_and_other_key_handles_are_refused(tiny_loaded):
+    srv = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30, token="alice-key,bob-key"),
+                           CacheConfig(budget_tokens=512, memory_gib=0.05))
+    await srv.start()
+    try:
+        alice = {"Authorization": "Bearer alice-key"}
+        bob = {"Authorization": "Bearer bob-key"}
+        async with connect(url(srv), additional_headers=alice) as ws:
+            handle = (await started_session(ws))["resume"]["handle"]
+            async with connect(url(srv), additional_headers=alice) as other:
+                await other.send(json.dumps({"type": "session.resume", "handle": handle}))
+                assert (await recv_until(other, "error"))[0]["code"] == "resume_in_use"
+                await other.send(json.dumps({"type": "session.resume", "handle": "guess"}))
+                assert (await recv_until(other, "error"))[0]["code"] == "resume_unknown"
+                await other.send(json.dumps({"type": "session.resume", "handle": 7}))
+                assert (await recv_until(other, "error"))[0]["code"] == "bad_field"
+        await wait_for(lambda: srv.shelf.detached())
+        async with connect(url(srv), additional_headers=bob) as ws:
+            await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
+            assert (await recv_until(ws, "error"))[0]["code"] == "resume_forbidden"
+            await ws.send(json.dumps({"type": "session.resume", "handle": "gone",
+                                      "or_start": True}))
+            error, _ = await recv_until(ws, "error")
+            assert error["code"] == "resume_unknown"
+            assert (await recv_until(ws, "session.started"))[0]["resume"]["handle"]
+        async with connect(url(srv), additional_headers=alice) as ws:  # still resumable
+            await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
+            await recv_until(ws, "session.resumed")
+    finally:
+        await srv.stop()
+    assert srv.active_sessions == 0
+
+
+async def test_detached_sessions_expire_and_are_bounded(tiny_loaded):
+    srv = StreamgrokServer(tiny_loaded, config(resume_ttl_s=1.0, max_detached=2),
+                           CacheConfig(budget_tokens=512, memory_gib=0.05))
+    await srv.start()
+    try:
+        handles = []
+        for _ in range(3):
+            async with connect(url(srv)) as ws:
+                handles.append((await started_session(ws))["resume"]["handle"])
+            count = len(handles)
+            await wait_for(lambda: srv.shelf.stats.evicted + len(srv.shelf.detached())
+                           == count)  # noqa: B023 (awaited in this iteration)
+        await wait_for(lambda: srv.active_sessions == 2)
+        assert len(srv.shelf.detached()) == 2 and srv.shelf.stats.evicted == 1  # the oldest
+        await wait_for(lambda: srv.active_sessions == 0, 10)  # their time ran out
+        assert srv.shelf.stats.expired == 2
+        assert srv.engine.snapshot()["parked_bytes"] == 0
+        assert srv.engine.cache.pool.used_pages == 0
+        async with connect(url(srv)) as ws:
+            await ws.send(json.dumps({"type": "session.resume", "handle": handles[1]}))
+            assert (await recv_until(ws, "error"))[0]["code"] == "resume_expired"
+    finally:
+        await srv.stop()
+
+
+async def test_without_resumption_a_dropped_session_ends(tiny_loaded):
+    srv = StreamgrokServer(tiny_loaded, config(resume_ttl_s=0),
+                           CacheConfig(budget_tokens=512, memory_gib=0.05))
+    await srv.start()
+    try:
+        async with connect(url(srv)) as ws:
+            assert (await started_session(ws))["resume"] is None
+        await wait_for(lambda: srv.active_sessions == 0)
+        assert srv.engine.cache.pool.used_pages == 0
+    finally:
+        await srv.stop()
