@@ -171,3 +171,27 @@ async def test_without_resumption_a_dropped_session_ends(tiny_loaded):
         assert srv.engine.cache.pool.used_pages == 0
     finally:
         await srv.stop()
+
+
+async def test_a_fact_told_before_the_drop_is_answered_after_the_resume(smollm2):
+    srv = StreamgrokServer(smollm2, config(resume_ttl_s=30),
+                           CacheConfig(budget_tokens=1024, memory_gib=0.2))
+    await srv.start()
+    try:
+        async with connect(url(srv)) as ws:
+            handle = (await started_session(ws))["resume"]["handle"]
+            await ws.send(json.dumps({"type": "input.text",
+                                      "text": "The visitors' meeting room is room 42."}))
+            await recv_until(ws, "stats")
+        await wait_for(lambda: srv.shelf.detached())
+        async with connect(url(srv)) as ws:
+            await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
+            await recv_until(ws, "session.resumed")
+            await ws.send(json.dumps({"type": "query", "id": "q",
+                                      "text": "Which room is the visitors' meeting room?"}))
+            done, _ = await recv_until(ws, "response.done")
+            assert "42" in done["text"], done["text"]
+            await ws.send(json.dumps({"type": "session.end"}))
+            await recv_until(ws, "session.ended")
+    finally:
+        await srv.stop()
