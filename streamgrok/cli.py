@@ -342,6 +342,13 @@ def _add_bench_commands(commands) -> None:
     soak.add_argument("--storm", type=int, default=0,
                       help="then this many clients connect, ask and drop mid-answer")
     _add_served_options(soak)
+    resume = benches.add_parser("resume", formatter_class=DEFAULTS,
+                                help="a dropped session resumed through streamgrok serve: "
+                                     "time to resume, parked KV and RSS per KV size")
+    resume.add_argument("--sizes", default="2048,8192,16384",
+                        help="KV tokens per layer the session holds when it drops")
+    resume.add_argument("--trials", type=int, default=5, help="drops and resumes per size")
+    _add_served_options(resume)
     live = benches.add_parser("live", formatter_class=DEFAULTS,
                               help="N live websocket clients per row: answers, TTFT, TBT, "
                                    "frames processed and dropped, server CPU")
@@ -597,6 +604,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from streamgrok.bench.live import run_live_bench
 
         run_live_bench(args)
+        return 0
+    if args.bench == "resume":
+        from streamgrok.bench.resume import run_resume_bench
+
+        run_resume_bench(args)
         return 0
     if args.bench == "soak":
         from streamgrok.bench.soak import run_soak_bench

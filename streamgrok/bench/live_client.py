@@ -177,6 +177,7 @@ async def live_client(url: str, name: str, frames: list[bytes], seconds: float,
                 await asyncio.sleep(0.1)
             if speech:  # the last sentence's transcript may still be on its way
                 await asyncio.sleep(max(0.0, min(5.0, deadline - time.monotonic())))
+            await ws.send(json.dumps({"type": "session.end"}))  # done: not left to resume
         except ConnectionClosed:
             pass
         result.unanswered = len(queries.open)

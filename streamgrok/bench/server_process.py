@@ -77,11 +77,13 @@ class ServerProcess:
 
 
 async def settle(server: ServerProcess, seconds: float = 30.0) -> None:
-    """Wait until the server holds no KV pages and no sessions (or time runs out)."""
+    """Wait until the server holds no KV pages and no session with a client (sessions
+    whose clients dropped may wait, detached and parked, for a resume), or time runs out."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         pages = await asyncio.to_thread(server.metric, "streamgrok_kv_pages_in_use")
         sessions = await asyncio.to_thread(server.metric, "streamgrok_active_sessions")
-        if pages == 0 and sessions == 0:
+        detached = await asyncio.to_thread(server.metric, "streamgrok_detached_sessions")
+        if pages == 0 and sessions - detached == 0:
             return
         await asyncio.sleep(0.5)

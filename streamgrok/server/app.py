@@ -246,6 +246,11 @@ class StreamgrokServer:
                 except Exception:
                     log.exception("ending an expired session failed")
 
+    def attached_sessions(self) -> int:
+        """Sessions with a client now (what the load governor weighs: a detached session
+        receives no media and, parked, holds no KV pages)."""
+        return self.active_sessions - len(self.shelf.detached())
+
     def resumption_numbers(self) -> dict[str, int]:
         """Detached sessions now, and what became of detached sessions and resumes."""
         stats = self.shelf.stats
@@ -297,7 +302,7 @@ class StreamgrokServer:
                 ttft_s=max(self.governor.recent_ttft(now), self.oldest_wait(now)),
                 speech_wait_s=self.resources.speech_wait(),
                 stale=new_stale / new_frames if new_frames > 0 else 0.0,
-                sessions=self.active_sessions,
+                sessions=self.attached_sessions(),
                 decode_rate=rate,
             ), now)
             self.metrics.degraded.set(self.resources.degradation.fps_scale)
@@ -318,7 +323,7 @@ class StreamgrokServer:
         if self.active_sessions >= self.config.max_sessions:
             return Refusal("max_sessions", f"the server is configured for at most "
                                            f"{self.config.max_sessions} sessions")
-        refused = self.governor.admit(self.active_sessions)
+        refused = self.governor.admit(self.attached_sessions())
         if refused is None:
             return None
         return Refusal(refused.rule, f"the server is at its sustainable load: {refused.detail}")
