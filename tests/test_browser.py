@@ -126,8 +126,9 @@ async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp
         assert await tools.js("document.querySelector('.qa[data-thinking]') === null")
         assert await tools.js("(() => { const a = document.getElementById('answers');"
                               " return a.scrollTop + a.clientHeight >= a.scrollHeight - 2; })()")
-        # the server drops the connection: the page says so, keeps a question typed
-        # meanwhile, reconnects and sends it
+        # the connection drops: the page says so, keeps a question typed meanwhile,
+        # reconnects, resumes the same session and sends it
+        session_id = next(c.runner.session.id for c in server.connections if c.runner)
         for connection in list(server.connections):
             await connection.ws.close(1012, "restart")
         await tools.wait_for("document.getElementById('status').textContent"
@@ -137,7 +138,10 @@ async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp
         await tools.wait_for(
             "(() => { const b = document.querySelector('.qa[data-id=\"q3\"][data-done]');"
             " return b && b.querySelector('.m').textContent; })()", seconds=90)
-        assert "reconnected" in await tools.js("document.getElementById('events').textContent")
+        events = await tools.js("document.getElementById('events').textContent")
+        assert "resumed after" in events and "a new session" not in events
+        assert f"session {session_id} " in await tools.js(
+            "document.getElementById('status').textContent")
         await tools.wait_for("document.getElementById('kv').textContent.includes('pages')")
         frames_in = server.engine.snapshot()
         assert frames_in["prefill_tokens"] > 0

@@ -23,7 +23,7 @@ async def test_a_session_streams_past_two_to_the_twenty_tokens_at_flat_memory(ti
         session = engine.new_session("sys")
         generator = torch.Generator().manual_seed(0)
         peak_pages = 0
-        for start in range(0, TOTAL, CHUNK):
+        for _ in range(0, TOTAL, CHUNK):
             ids = torch.randint(3, vocab, (CHUNK,), generator=generator)
             await session.append_tokens(ids, TokenInfo.text(CHUNK))
             peak_pages = max(peak_pages, engine.snapshot()["kv_pages_used"])

@@ -48,6 +48,9 @@ async def test_a_dropped_session_resumes_with_its_context_and_a_new_handle(serve
         started = await started_session(ws)
         handle = started["resume"]["handle"]
         assert started["resume"]["ttl_s"] == 30
+        context = started["context"]
+        assert context["target_tokens"] == 512 and context["trigger_tokens"] > 512
+        assert context["pinned_tokens"] > 0 and context["positions"] == "cache-relative"
         await ws.send(json.dumps({"type": "input.text", "text": "The code word is pelican."}))
         await ws.send(json.dumps({"type": "query", "id": "q1", "text": "Word?"}))
         await recv_until(ws, "response.done")

@@ -284,6 +284,25 @@ class Engine:
         budget = self.cache.min_budget()
         return None if budget is None else int(budget * self.config.max_protected_fraction)
 
+    def context_policy(self, session: SessionState) -> dict:
+        """What a session's context keeps, for clients to reason about what the model still
+        remembers: the pinned system prompt, the protected share (questions and remembered
+        turns), the eviction policy and when it runs (a layer past `trigger_tokens` is cut
+        back to `target_tokens`, the layer budget), and the host tier recall reads from.
+        Positions are cache-relative, so a stream has no length limit."""
+        config = self.cache.config
+        budget = self.cache.min_budget()
+        tier = getattr(self.cache, "tier", None)
+        return {
+            "policy": config.policy,
+            "pinned_tokens": len(session.system_tokens),
+            "protected_limit_tokens": self.protected_limit(),
+            "target_tokens": budget,
+            "trigger_tokens": None if budget is None else budget + config.slack,
+            "host_tier_bytes": None if tier is None else tier.capacity_pages * tier.page_bytes,
+            "positions": "cache-relative",
+        }
+
     def question_room(self, session: SessionState) -> int | None:
         """How many tokens the text of a question to `session` may have (None: no bound):
         what the protected share leaves after the system prompt and the turn's framing."""

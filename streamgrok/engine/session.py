@@ -201,6 +201,10 @@ class Session:
         return self._engine.submit_question(self._state, question, sampling, raw, remember,
                                             add_bos, answer_prefix, own_context)
 
+    def context_policy(self) -> dict:
+        """What this session's context keeps (see `Engine.context_policy`)."""
+        return self._engine.context_policy(self._state)
+
     def question_room(self) -> int | None:
         """How many tokens a question's text may have before it is refused as too large
         (None: no bound)."""

@@ -208,7 +208,7 @@ class ClientConnection:
         return {"session_id": self.runner.session.id, "pipeline": self.runner.pipeline.name,
                 "model": self.server.loaded.name, "vision": self.runner.vision_path(),
                 "answers": self.runner.answer_context(), "replica": self.server.replica,
-                "resume": self.resume_info()}
+                "context": self.runner.session.context_policy(), "resume": self.resume_info()}
 
     def resume_info(self) -> dict | None:
         """The session's resume handle and how long it outlives a dropped connection (None

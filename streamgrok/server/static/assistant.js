@@ -10,6 +10,7 @@ const wsUrl = `${location.protocol === "https:" ? "wss" : "ws"}://${location.hos
 let ws, started = false, t0 = performance.now(), queryCount = 0, frameTimer = null;
 let audioRate = 0; // the microphone's sample rate once audio runs (told to the server)
 let camera = null, muted = false, retries = 0, clockTimer = null, sessions = 0;
+let resumeHandle = null; // the session's resume handle: a reconnect carries on with it
 const outbox = []; // questions typed while disconnected: sent once a session is back
 
 function streamTime() { return (performance.now() - t0) / 1000; }
@@ -31,8 +32,11 @@ function connect() {
   ws.onopen = () => {
     retries = 0;
     $("status").textContent = "connected";
-    ws.send(JSON.stringify({ type: "session.start", id: "start" }));
     if (audioRate) ws.send(JSON.stringify({ type: "audio.format", rate: audioRate }));
+    // a dropped connection: resume the same session (a new one if it has ended meanwhile)
+    ws.send(JSON.stringify(resumeHandle
+      ? { type: "session.resume", id: "resume", handle: resumeHandle, or_start: true }
+      : { type: "session.start", id: "start" }));
   };
   ws.onclose = () => {
     started = false;
@@ -49,19 +53,32 @@ function sendQuestion(id, text) {
   ws.send(JSON.stringify({ type: "query", id, text }));
 }
 
+function sessionUp(m) {
+  started = true;
+  resumeHandle = m.resume ? m.resume.handle : null;
+  $("status").className = "";
+  $("status").textContent = `session ${m.session_id} · ${m.pipeline} · ${m.model} · ` +
+    visionLabel(m.vision);
+  while (outbox.length) {
+    const [id, text] = outbox.shift();
+    answerBox(id).querySelector(".n").textContent = "";
+    sendQuestion(id, text);
+  }
+}
+
 function handle(m) {
   switch (m.type) {
     case "session.started":
-      started = true;
-      $("status").className = "";
-      $("status").textContent = `session ${m.session_id} · ${m.pipeline} · ${m.model} · ` +
-        visionLabel(m.vision);
       if (sessions++) addEvent("reconnected: a new session (what the old one saw is gone)", "info");
-      while (outbox.length) {
-        const [id, text] = outbox.shift();
-        answerBox(id).querySelector(".n").textContent = "";
-        sendQuestion(id, text);
-      }
+      sessionUp(m);
+      break;
+    case "session.resumed":
+      addEvent(`reconnected: resumed after ${m.gap.seconds.toFixed(1)} s, the same session ` +
+        `(media of those seconds never reached it)`, "info");
+      sessionUp(m);
+      break;
+    case "session.going_away":
+      addEvent(`the server is shutting down (answers may finish within ${m.seconds} s)`, "info");
       break;
     case "response.delta": {
       const box = answerBox(m.query_id);
@@ -82,7 +99,7 @@ function handle(m) {
     }
     case "event": addEvent(`[${fmt(m.t)}] ${m.kind}: ${m.text}`, m.kind); break;
     case "error": addEvent(`error ${m.code}: ${m.message}`, "error"); break;
-    case "stats": showStats(m); break;
+    case "stats": if (m.resume) resumeHandle = m.resume.handle; showStats(m); break;
   }
 }
 
