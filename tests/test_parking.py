@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from test_paged_cache import append_random
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.engine import Engine, EngineConfig
-from streamgrok.errors import CacheFullError
+from streamgrok.errors import CacheFullError, StreamgrokError
 from streamgrok.model.sampling import SamplingParams
 
 CFG = tiny_config()
@@ -122,3 +123,28 @@ async def test_park_waits_for_the_running_answer_and_unpark_calls_it_off(tiny_lo
         assert await pending == 0
         asked.cancel()
         await other.close()
+
+
+async def test_an_exported_session_restored_in_another_engine_answers_the_same(tiny_loaded):
+    cache = CacheConfig(policy="h2o", budget_tokens=96, memory_gib=0.01)
+    config = EngineConfig(merge_window_s=0)
+    async with Engine(tiny_loaded, cache, config) as engine:
+        session = engine.new_session("sys")
+        await session.append_message("the code word is pelican " * 4)
+        await session.ask("and?", GREEDY).text()
+        await session.park()
+        snapshot = await session.export()
+        expected = await (await unparked(session)).ask("code?", GREEDY).text()
+    async with Engine(tiny_loaded, cache, config) as other:  # a new process, in effect
+        restored = other.restore_session("sys", snapshot)
+        await restored.unpark()
+        assert await restored.ask("code?", GREEDY).text() == expected
+        wrong = other.restore_session("sys", replace(snapshot, layers=snapshot.layers[:1]))
+        await asyncio.sleep(0.2)
+        with pytest.raises(StreamgrokError, match="could not be restored"):
+            wrong.ask("code?", GREEDY)
+
+
+async def unparked(session):
+    await session.unpark()
+    return session

@@ -18,7 +18,15 @@ from streamgrok.cache.attention_plan import (
 )
 from streamgrok.cache.config import CPU_DEFAULT_GIB, KV_DTYPES, CacheConfig
 from streamgrok.cache.host_tier import HostTier
-from streamgrok.cache.parking import ParkedKV, pages_to_unpark, park_layers, unpark_layers
+from streamgrok.cache.parking import (
+    ParkedKV,
+    SequenceSnapshot,
+    check_entries,
+    pages_to_unpark,
+    park_layers,
+    snapshot_layers,
+    unpark_layers,
+)
 from streamgrok.cache.policies import LayerView, make_scorer, select_keep
 from streamgrok.cache.pool import PagePool
 from streamgrok.cache.prefix import PrefixIndex
@@ -285,6 +293,39 @@ class PagedKVCache:
             return
         unpark_layers(self.pool, self.sequences[seq_id].layers, parked)
         del self.parked[seq_id]
+
+    def export_sequence(self, seq_id: int) -> SequenceSnapshot:
+        """A parked sequence as a snapshot another process can `import_sequence` (its host
+        tier's evicted KV is not part of it)."""
+        seq = self.sequences[seq_id]
+        if seq_id not in self.parked:
+            raise RuntimeError(f"sequence {seq_id} must be parked to be exported")
+        return SequenceSnapshot(
+            snapshot_layers(seq.layers, self.parked[seq_id]), seq.stream_pos, seq.next_group,
+            seq.last_frame_source, seq.pinned, list(seq.budget_bonus),
+            dict(seq.frame_embeddings))
+
+    @torch.inference_mode()
+    def import_sequence(self, seq_id: int, snapshot: SequenceSnapshot) -> None:
+        """Register a sequence from a snapshot, parked (`unpark` brings it into pages);
+        ValueError when the snapshot does not fit this cache's model or KV format."""
+        if seq_id in self.sequences:
+            raise ValueError(f"sequence {seq_id} already exists")
+        check_entries(self.pool, snapshot, len(self.budgets))
+        layers = []
+        for layer in snapshot.layers:
+            rec = LayerTokens(self.config.page_size, self.device)
+            rec.replace_records(layer.meta.clone(), layer.score.to(self.device, copy=True))
+            layers.append(rec)
+        seq = SequenceState(seq_id, layers, snapshot.stream_pos, snapshot.next_group,
+                            snapshot.last_frame_source, snapshot.pinned,
+                            budget_bonus=list(snapshot.budget_bonus),
+                            frame_embeddings=dict(snapshot.frame_embeddings))
+        self.sequences[seq_id] = seq
+        if self.tier is not None:
+            self.tier.add_sequence(seq_id, len(layers))
+            seq.tier_source = seq_id
+        self.parked[seq_id] = ParkedKV([layer.entries for layer in snapshot.layers])
 
     def pages_to_unpark(self, seq_id: int) -> int:
         """Pages `unpark(seq_id)` would take (0 when it is not parked)."""

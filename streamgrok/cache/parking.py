@@ -54,3 +54,50 @@ def unpark_layers(pool: PagePool, layers: list[LayerTokens], parked: ParkedKV) -
         rec.set_pages(pages)
         device = pool.paged_kv().k.device
         pool.scatter_raw(rec.slots().to(device), tuple(t.to(device) for t in entries))
+
+
+@dataclass
+class LayerSnapshot:
+    """One layer of a parked sequence: its stored entries and token records."""
+
+    entries: tuple[torch.Tensor, ...]
+    meta: torch.Tensor  # [length, META_COLUMNS] float64
+    score: torch.Tensor  # [length] float32
+
+
+@dataclass
+class SequenceSnapshot:
+    """Everything a parked sequence is, to save it and restore it in another process."""
+
+    layers: list[LayerSnapshot]
+    stream_pos: int
+    next_group: int
+    last_frame_source: int | None
+    pinned: int
+    budget_bonus: list[int]
+    frame_embeddings: dict[int, torch.Tensor]
+
+
+def snapshot_layers(layers: list[LayerTokens], parked: ParkedKV) -> list[LayerSnapshot]:
+    """The parked entries and a host copy of each layer's records."""
+    return [LayerSnapshot(entries, rec.meta[: rec.length].clone(),
+                          rec.score[: rec.length].to("cpu", copy=True))
+            for rec, entries in zip(layers, parked.layers)]
+
+
+def check_entries(pool: PagePool, snapshot: SequenceSnapshot, num_layers: int) -> None:
+    """Raise ValueError unless the snapshot's entries fit this pool (layers, shapes, dtypes)."""
+    if len(snapshot.layers) != num_layers:
+        raise ValueError(f"a snapshot of {len(snapshot.layers)} layers for a model of "
+                         f"{num_layers}")
+    stored = pool.paged_kv().tensors()
+    for layer in snapshot.layers:
+        if len(layer.entries) != len(stored):
+            raise ValueError("the snapshot's KV format differs from this cache's")
+        for entry, tensor in zip(layer.entries, stored):
+            if entry.dtype != tensor.dtype or tuple(entry.shape[1:]) != tuple(tensor.shape[1:]):
+                raise ValueError(f"the snapshot's KV entries ({entry.dtype}, "
+                                 f"{tuple(entry.shape[1:])}) differ from this cache's "
+                                 f"({tensor.dtype}, {tuple(tensor.shape[1:])})")
+            if entry.shape[0] != layer.meta.shape[0]:
+                raise ValueError("the snapshot's records and entries disagree")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from streamgrok.cache.parking import SequenceSnapshot
 from streamgrok.engine.state import SessionState
 
 
@@ -44,6 +45,22 @@ class ParkSession:
 class UnparkSession:
     """Put a parked session's KV back into pages; `done` resolves, or fails with
     CacheFullError (the session stays parked)."""
+
+    state: SessionState
+    done: asyncio.Future
+
+
+@dataclass(frozen=True)
+class RestoreSession:
+    """Start the session's sequence from a snapshot, parked."""
+
+    state: SessionState
+    snapshot: SequenceSnapshot
+
+
+@dataclass(frozen=True)
+class ExportSession:
+    """Resolve `done` with a snapshot of the (parked) session's sequence."""
 
     state: SessionState
     done: asyncio.Future

@@ -23,10 +23,13 @@ import torch
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.kv_group import KVGroup
 from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.parking import SequenceSnapshot
 from streamgrok.engine.commands import (
     CloseSession,
+    ExportSession,
     NewSession,
     ParkSession,
+    RestoreSession,
     SessionInfo,
     UnparkSession,
 )
@@ -164,6 +167,31 @@ class Engine:
 
     def new_session(self, system_prompt: str | None = None) -> Session:
         """A new streaming context, starting with the system prompt (protected, shared)."""
+        session, state = self._session(system_prompt)
+        if state.system_tokens:
+            state.pending.put(AppendItem(
+                TokenInfo.text(len(state.system_tokens), protected=True),
+                torch.tensor(state.system_tokens, dtype=torch.long)))
+        self._command(NewSession(state))
+        return session
+
+    def restore_session(self, system_prompt: str | None,
+                        snapshot: SequenceSnapshot) -> Session:
+        """A session that carries on from `snapshot` (see `export_session`), parked: its
+        first `unpark` brings its KV into pages. A snapshot that does not fit this model's
+        cache ends the session with the reason (`Session` calls then raise)."""
+        session, state = self._session(system_prompt)
+        self._command(RestoreSession(state, snapshot))
+        return session
+
+    async def export_session(self, state: SessionState) -> SequenceSnapshot:
+        """A snapshot of a parked session's sequence (records and KV entries, not its host
+        tier), to restore in another process with the same model and KV format."""
+        done = self._require_loop().create_future()
+        self._command(ExportSession(state, done))
+        return await done
+
+    def _session(self, system_prompt: str | None) -> tuple[Session, SessionState]:
         session_id = next(self._ids)
         system_tokens = []
         if system_prompt is not None:
@@ -180,11 +208,7 @@ class Engine:
             PendingQueue(self.config.frame_queue, self.config.text_queue_tokens),
             system_tokens, notify_space=space.set, on_closed=self._session_slots.release,
         )
-        if system_tokens:
-            state.pending.put(AppendItem(TokenInfo.text(len(system_tokens), protected=True),
-                                         torch.tensor(system_tokens, dtype=torch.long)))
-        self._command(NewSession(state))
-        return Session(self, state, space)
+        return Session(self, state, space), state
 
     def submit_question(
         self,
@@ -410,6 +434,13 @@ class Engine:
                     error = self.scheduler.unpark(state)
                     self.scheduler.outputs.wake(
                         lambda done=done, error=error: _resolve(done, error=error))
+                case RestoreSession(state, snapshot):
+                    self.scheduler.restore(state, snapshot)
+                case ExportSession(state, done):
+                    snapshot, error = self.scheduler.export(state)
+                    self.scheduler.outputs.wake(
+                        lambda done=done, snapshot=snapshot, error=error:
+                        _resolve(done, snapshot, error))
                 case SessionInfo(state, done):
                     info = self._session_info(state)
                     self.scheduler.outputs.wake(lambda done=done, info=info: _resolve(done, info))

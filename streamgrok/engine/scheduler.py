@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.parking import SequenceSnapshot
 from streamgrok.engine.config import EngineConfig
 from streamgrok.engine.events import AnswerDelta, AnswerDone, AnswerFailed, StepOutputs
 from streamgrok.engine.metrics import EngineStats, StepRecord, percentile
@@ -66,6 +67,26 @@ class Scheduler:
             if head.remaining == 0:
                 state.pending.pop_head()
         state.registered = True
+
+    def restore(self, state: SessionState, snapshot: SequenceSnapshot) -> None:
+        """Start a session from a snapshot of another process's, parked."""
+        self.sessions[state.session_id] = state
+        try:
+            self.cache.import_sequence(state.seq_id, snapshot)
+        except Exception as exc:
+            log.warning("session %d could not be restored: %s", state.session_id, exc)
+            self.close(state, error=f"session could not be restored: {exc}")
+            return
+        state.parked = state.registered = state.prefix_published = True
+
+    def export(self, state: SessionState) -> tuple[SequenceSnapshot | None, Exception | None]:
+        """A parked session's sequence as a snapshot, or the reason there is none."""
+        if state.closing or not state.parked:
+            return None, RuntimeError("only a parked, open session can be exported")
+        try:
+            return self.cache.export_sequence(state.seq_id), None
+        except Exception as exc:
+            return None, exc
 
     def close(self, state: SessionState, error: str | None = None) -> None:
         """Free a session; its answers end as cancelled, or with `error` when it failed."""

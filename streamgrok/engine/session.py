@@ -17,6 +17,7 @@ from streamgrok.model.sampling import SamplingParams
 from streamgrok.stream_tokens import Modality, TokenInfo
 
 if TYPE_CHECKING:
+    from streamgrok.cache.parking import SequenceSnapshot
     from streamgrok.engine.engine import Engine
 
 
@@ -225,6 +226,11 @@ class Session:
         """Bring this session's KV back into pages (CacheFullError when there is no room)."""
         self._check_open()
         await self._engine.unpark_session(self._state)
+
+    async def export(self) -> SequenceSnapshot:
+        """This parked session's sequence as a snapshot (see `Engine.export_session`)."""
+        self._check_open()
+        return await self._engine.export_session(self._state)
 
     @property
     def parked(self) -> bool:
