@@ -161,6 +161,10 @@ def _add_serve_command(commands) -> None:
     srv.add_argument("--max-detached", type=int, default=8,
                      help="detached sessions kept for resumption at once (the oldest ends "
                           "first)")
+    srv.add_argument("--state-dir", default=None,
+                     help="folder where a draining server (SIGTERM) saves its sessions, and "
+                          "where the next one, with the same model, restores them for "
+                          "session.resume")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="seconds in-flight answers may finish after SIGTERM/SIGINT")
     srv.add_argument("--media-workers", type=int, default=2,
@@ -695,7 +699,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_completion_tokens=args.max_completion_tokens,
         max_media_per_second=args.max_media_per_second, idle_timeout_s=args.idle_timeout,
         model_name=args.served_model_name, replica=args.replica_name,
-        resume_ttl_s=args.resume_ttl, max_detached=args.max_detached)
+        resume_ttl_s=args.resume_ttl, max_detached=args.max_detached,
+        state_dir=args.state_dir)
     cache = cache_config(args)
     engine = EngineConfig(max_batch=args.max_batch, step_tokens=args.step_tokens,
                           nano_batches=args.nano_batches,

@@ -198,3 +198,64 @@ async def test_a_fact_told_before_the_drop_is_answered_after_the_resume(smollm2)
             await recv_until(ws, "session.ended")
     finally:
         await srv.stop()
+
+
+async def test_sessions_resume_after_a_restart_from_the_state_directory(tiny_loaded, tmp_path):
+    state = tmp_path / "state"
+    cache = CacheConfig(budget_tokens=512, memory_gib=0.05)
+    first = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30, state_dir=str(state)), cache)
+    await first.start()
+    try:
+        async with connect(url(first)) as attached:
+            handle = (await started_session(attached))["resume"]["handle"]
+            await attached.send(json.dumps({"type": "input.text", "text": "Remember: 7."}))
+            await recv_until(attached, "stats")
+            stats, _ = await recv_until(attached, "stats")
+            tokens = stats["kv"]["layer_tokens"]
+            async with connect(url(first)) as away:  # a second client, gone before the restart
+                away_handle = (await started_session(away))["resume"]["handle"]
+            await wait_for(lambda: first.shelf.detached())
+            draining = asyncio.ensure_future(first.drain(5))
+            going, _ = await recv_until(attached, "session.going_away")
+            assert going["resumable"] is True
+            await draining
+            await attached.wait_closed()
+            assert attached.close_code == 1012  # service restart: resume elsewhere
+        assert len(list(state.glob("*.json"))) == 2  # both saved; the handles are not written
+        assert handle not in "".join(p.read_text() for p in state.glob("*.json"))
+    finally:
+        await first.stop()
+    second = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30, state_dir=str(state)), cache)
+    await second.start()
+    try:
+        assert second.active_sessions == 2 and len(second.shelf.detached()) == 2
+        assert second.engine.snapshot()["kv_pages_used"] == 0  # restored parked
+        assert not list(state.glob("*.json"))  # they live in the server now
+        async with connect(url(second)) as ws:
+            await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
+            resumed, _ = await recv_until(ws, "session.resumed")
+            stats, _ = await recv_until(ws, "stats")
+            assert stats["kv"]["layer_tokens"] == tokens  # the same context
+            await ws.send(json.dumps({"type": "query", "id": "q", "text": "What number?"}))
+            done, _ = await recv_until(ws, "response.done")
+            assert done["tokens"] > 0
+        async with connect(url(second)) as ws:
+            await ws.send(json.dumps({"type": "session.resume", "handle": away_handle}))
+            await recv_until(ws, "session.resumed")
+            await ws.send(json.dumps({"type": "session.end"}))
+            await recv_until(ws, "session.ended")
+        await second.drain(5)  # the first one is detached again: saved again
+    finally:
+        await second.stop()
+    other = CacheConfig(budget_tokens=512, memory_gib=0.05, kv_dtype="int8")
+    third = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30, state_dir=str(state)), other)
+    await third.start()
+    try:  # another KV format: refused with the reason, the files left alone
+        assert third.active_sessions == 0 and len(list(state.glob("*.json"))) == 1
+        async with connect(url(third)) as ws:
+            await ws.send(json.dumps({"type": "session.resume",
+                                      "handle": resumed["resume"]["handle"]}))
+            error, _ = await recv_until(ws, "error")
+            assert error["code"] == "resume_expired" and "KV format" in error["message"]
+    finally:
+        await third.stop()

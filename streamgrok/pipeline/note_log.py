@@ -42,6 +42,11 @@ class LoggedNote:
         """The text of the events it shows."""
         return "; ".join(event.text for event in self.events)
 
+    def saved(self) -> dict:
+        """The note as JSON-able data (`NoteLog.restore` reads it back)."""
+        return {"text": self.text, "pts": self.pts, "tags": sorted(self.tags),
+                "events": [[event.text, sorted(event.tags)] for event in self.events]}
+
     def line(self, timed: bool = True) -> str:
         """The note as a prompt line, with its time unless `timed` is False."""
         return f"- at {self.pts:.0f} seconds: {self.shown}" if timed else f"- {self.shown}"
@@ -60,6 +65,12 @@ class NoteLog:
         self.notes.append(LoggedNote(note.text, note.pts, tags, tuple(
             Event(text, frozenset(about), frozenset(self.words(text)))
             for text, about in events)))
+
+    def restore(self, saved: dict) -> None:
+        """Log a note `LoggedNote.saved` wrote."""
+        events = tuple((str(text), frozenset(map(str, tags))) for text, tags in saved["events"])
+        self.add(Note(str(saved["text"]), float(saved["pts"]), tags=set(map(str, saved["tags"])),
+                      events=events))
 
     def words(self, text: str) -> set[str]:
         """The content words of `text`, stemmed ("moving" and "move" are one word)."""

@@ -142,14 +142,20 @@ class PipelineRunner:
         self.start()
         return await self.run_items(self.ingest.run(source), asks)
 
-    def start(self) -> None:
-        """Open the engine session and the ingest (before pushing media or asking)."""
+    def system_prompt(self) -> str:
+        """The system prompt the session starts with."""
+        vision = self.engine.vision if self.pipeline.vision_tokens else None
+        system = self.pipeline.system_prompt
+        if vision is not None and system == DEFAULT_SYSTEM:
+            return DEFAULT_VISION_SYSTEM
+        return system
+
+    def start(self, session: Session | None = None) -> None:
+        """Open the engine session (or carry on with `session`, one restored from a saved
+        state) and the ingest (before pushing media or asking)."""
         if self.session is None:
             vision = self.engine.vision if self.pipeline.vision_tokens else None
-            system = self.pipeline.system_prompt
-            if vision is not None and system == DEFAULT_SYSTEM:
-                system = DEFAULT_VISION_SYSTEM
-            self.session = self.engine.new_session(system)
+            self.session = session or self.engine.new_session(self.system_prompt())
             config = self.pipeline.ingest
             shared = self.resources
             transcriber = speech_model = None
@@ -163,6 +169,20 @@ class PipelineRunner:
                                  shared.degradation if shared else None, vision)
             self.notes_in_stream = not self.pipeline.grounded or \
                 self.answer_context() == "stream"
+
+    def export_state(self) -> dict:
+        """What the session knows beside its KV cache, as JSON-able data: its notes, a
+        client's standing instructions, and the stream clock (stages' own state is not
+        kept: observers start afresh)."""
+        return {"stream_time": self.stats.stream_time, "instructions": self.instructions,
+                "notes": [note.saved() for note in self.notes.notes]}
+
+    def restore_state(self, state: dict) -> None:
+        """Carry on from `export_state`'s data."""
+        self.stats.stream_time = float(state.get("stream_time", 0.0))
+        self.instructions = str(state.get("instructions", ""))
+        for saved in state.get("notes", []):
+            self.notes.restore(saved)
 
     async def set_instructions(self, text: str) -> None:
         """A client's standing instructions (Realtime `session.update`): a protected system

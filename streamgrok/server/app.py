@@ -42,6 +42,7 @@ from streamgrok.server.load import (
 from streamgrok.server.metrics import ServerMetrics
 from streamgrok.server.refusals import RefusalLog
 from streamgrok.server.resumption import ResumeShelf
+from streamgrok.server.session_store import SessionStore
 
 log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -79,6 +80,7 @@ class ServerConfig:
     replica: str | None = None  # this server's name among replicas (default: host:port)
     resume_ttl_s: float = 300.0  # how long a session outlives its dropped connection (0: not)
     max_detached: int = 8  # sessions kept for resumption at once (the oldest ends first)
+    state_dir: str | None = None  # where a draining server saves sessions for the next one
 
     def __post_init__(self) -> None:
         self.token = self.token or next(
@@ -140,6 +142,7 @@ class StreamgrokServer:
         self.connections: set[ClientConnection] = set()
         self.access = Access(config.token, config.allowed_origins)
         self.shelf = ResumeShelf(config.resume_ttl_s, config.max_detached)
+        self.store: SessionStore | None = None  # with --state-dir, once the engine runs
         self._sweeping: asyncio.Task | None = None
         self.accepting = True  # False while draining: new sessions and requests get 503
         self.http: _Uvicorn | None = None
@@ -235,6 +238,51 @@ class StreamgrokServer:
             self._sweeping = asyncio.create_task(self._sweep_detached())
         if self.loaded is not None:
             self._start_engine()
+            await self._restore_sessions()
+
+    def state_identity(self) -> dict:
+        """What saved sessions must match to be restored: the model and the KV format."""
+        model, cache = self.loaded.config, self.engine.cache.config
+        source = self.loaded.source
+        return {"model": self.loaded.name,
+                "model_bytes": source.stat().st_size if source.is_file() else 0,
+                "layers": model.num_layers, "kv_heads": model.num_kv_heads,
+                "head_dim": model.head_dim, "vocab": model.vocab_size,
+                "kv_dtype": cache.kv_dtype, "page_size": cache.page_size}
+
+    async def _restore_sessions(self) -> None:
+        """Sessions the previous process saved in `--state-dir` wait, detached, for their
+        clients (their resume time starts now); refused ones are logged with why, and a
+        client resuming one is told."""
+        if self.store is None:
+            return
+        saved, refused = await asyncio.to_thread(self.store.load)
+        for entry in refused:
+            self.shelf.retire(entry.key, f"the saved session could not be restored: "
+                                         f"{entry.reason}")
+        for session in saved:
+            try:
+                ClientConnection.restored(self, session)
+            except Exception as exc:
+                log.error("saved session %s not restored: %s", session.key[:12], exc)
+                self.shelf.retire(session.key, f"the saved session could not be restored: "
+                                               f"{exc}")
+                continue
+            self.store.remove(session.key)
+        if saved or refused:
+            log.info("restored %d saved sessions (%d refused) from %s",
+                     len(saved), len(refused), self.config.state_dir)
+
+    async def _save_sessions(self) -> set[ClientConnection]:
+        """Save every resumable session to the state directory; returns those saved."""
+        saved = set()
+        for connection in list(self.connections):
+            try:
+                if await connection.save(self.store):
+                    saved.add(connection)
+            except Exception:
+                log.exception("saving a session failed")
+        return saved
 
     async def _sweep_detached(self) -> None:
         """End detached sessions whose resume time ran out (checked every second)."""
@@ -269,10 +317,13 @@ class StreamgrokServer:
         200)."""
         await asyncio.to_thread(self._prepare, loaded)
         self._start_engine()
+        await self._restore_sessions()
 
     def _start_engine(self) -> None:
         self.engine = Engine(self.loaded, self.cache_config, self.engine_config, self.kv_group)
         self.engine.start()
+        if self.config.state_dir and self.shelf.enabled:
+            self.store = SessionStore(self.config.state_dir, self.state_identity())
         if self.config.load_tick_s is not None:
             self._governing = asyncio.create_task(self._govern())
         log.info("model %s loaded; serving", self.model_name)
@@ -426,7 +477,9 @@ class StreamgrokServer:
         self.accepting = False
         for connection in list(self.connections):
             if connection.runner is not None and not connection.detached:
-                connection.send("session.going_away", seconds=timeout_s, resumable=False,
+                connection.send("session.going_away", seconds=timeout_s,
+                                resumable=self.store is not None
+                                and connection.resume_key is not None,
                                 reason="server shutting down")
         if self.http is not None:
             for listener in self.http.servers:
@@ -438,8 +491,9 @@ class StreamgrokServer:
                             sum(c.answers_in_flight() for c in self.connections))
                 break
             await asyncio.sleep(0.05)
-        await asyncio.gather(*(c.shutdown("server shutting down") for c in list(self.connections)),
-                             return_exceptions=True)
+        saved = await self._save_sessions() if self.store is not None else set()
+        await asyncio.gather(*(c.shutdown("server shutting down", saved=c in saved)
+                               for c in list(self.connections)), return_exceptions=True)
         await self.stop()
 
 

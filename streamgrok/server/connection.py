@@ -29,6 +29,7 @@ from streamgrok.pipeline.pipeline import PipelineRunner
 from streamgrok.server.asgi_socket import AsgiSocket, ClientGone
 from streamgrok.server.media_lane import MediaLane
 from streamgrok.server.protocol import ProtocolError, event, parse_binary, parse_text
+from streamgrok.server.session_store import SavedSession, SessionStore
 
 if TYPE_CHECKING:
     from streamgrok.server.app import StreamgrokServer
@@ -69,11 +70,14 @@ class ClientConnection:
         self.closed = False
         # resumption: the session's handle, whether its client is away, and the socket
         # that a `session.resume` hands over to the session it names
-        self.resume_handle: str | None = None
+        self.resume_handle: str | None = None  # given to the client; the server keeps the key
+        self.resume_key: str | None = None
         self.detached = False
         self.stream_time_at_detach = 0.0
         self.parking: asyncio.Future | None = None
         self.handover: ClientConnection | None = None
+        self.options: dict | None = None  # the client's session options (saved with it)
+        self.frozen = False  # being saved for a restart: the client's messages are ignored
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -123,7 +127,7 @@ class ClientConnection:
         return successor
 
     def _resumable(self) -> bool:
-        return (self.resumable and self.runner is not None and self.resume_handle is not None
+        return (self.resumable and self.runner is not None and self.resume_key is not None
                 and self.server.shelf.enabled and self.server.accepting)
 
     async def _detach(self) -> None:
@@ -136,7 +140,7 @@ class ClientConnection:
         log.info("session %s detached; resumable for %g s", self.runner.session.id,
                  self.server.shelf.ttl_s,
                  extra={"event": "session.detached", "session": self.runner.session.id})
-        for victim in self.server.shelf.detach(self.resume_handle):
+        for victim in self.server.shelf.detach(self.resume_key):
             await victim.expire("evicted")
         if self.detached and self.runner is not None:
             self.parking = asyncio.ensure_future(self._park())
@@ -180,7 +184,7 @@ class ClientConnection:
         try:
             await target.runner.session.unpark()
         except CacheFullError as exc:
-            shelf.give_back(target.resume_handle, since, away)
+            shelf.give_back(target.resume_key, since, away)
             raise ProtocolError("busy", f"no room to bring the session back now ({exc}); "
                                 "retry soon", message.get("id")) from None
         target.attach(self.ws, since, away, message.get("id"))
@@ -192,7 +196,8 @@ class ClientConnection:
         finished while it was away, with a new resume handle."""
         self.ws, self.detached, self.closed = ws, False, False
         self.media_times.clear()
-        self.resume_handle = self.server.shelf.issue(self, ws.principal, self.resume_handle)
+        self.resume_handle, self.resume_key = self.server.shelf.issue(self, ws.principal,
+                                                                      self.resume_key)
         held = len(self.outbox)
         self.outbox.appendleft(("session.resumed", event(
             "session.resumed", id=message_id, **self.session_description(),
@@ -202,6 +207,50 @@ class ClientConnection:
         self.outbox_ready.set()
         log.info("session %s resumed after %.1f s (%d messages held)", self.runner.session.id,
                  away, held, extra={"event": "session.resumed", "session": self.runner.session.id})
+
+    @classmethod
+    def restored(cls, server: StreamgrokServer, saved: SavedSession) -> ClientConnection:
+        """A session saved by the previous server process, detached and resumable under its
+        saved handle."""
+        connection = cls(server, None)
+        connection.open_session(saved.options, saved=saved)
+        connection.tasks.append(asyncio.create_task(connection._stats_loop()))
+        connection.detached = True
+        connection.resume_key = saved.key
+        connection.stream_time_at_detach = saved.stream_time
+        connection.outbox.extend(saved.held)
+        server.shelf.adopt(saved.key, saved.owner, connection, saved.detached_wall)
+        server.connections.add(connection)
+        return connection
+
+    async def save(self, store: SessionStore, wait_s: float = 30.0) -> bool:
+        """Write this session to the state directory for the next server process (its KV
+        parked first; the client's further messages are ignored). False when it cannot
+        be parked in `wait_s` seconds."""
+        if self.runner is None or self.resume_key is None:
+            return False
+        self.frozen = True
+        shelf = self.server.shelf
+        detached_wall = next((e.detached_wall for e in shelf.detached()
+                              if e.connection is self), None)
+        try:
+            if not await asyncio.wait_for(self.runner.session.park(), wait_s):
+                return False
+            snapshot = await self.runner.session.export()
+        except (TimeoutError, StreamgrokError, RuntimeError) as exc:
+            log.warning("session %s not saved: %s", self.runner.session.id, exc)
+            return False
+        held = [(k, t) for k, t in self.outbox if k not in ("response.delta", "stats")] \
+            if self.detached else []
+        saved = SavedSession(
+            self.resume_key, shelf.owner(self.resume_key), detached_wall or time.time(),
+            self.options, self.runner.export_state(), snapshot,
+            self.stream_time_at_detach if self.detached else self.runner.stats.stream_time,
+            held)
+        await asyncio.to_thread(store.save, saved)
+        log.info("session %s saved for a resume after the restart", self.runner.session.id,
+                 extra={"event": "session.saved", "session": self.runner.session.id})
+        return True
 
     def session_description(self) -> dict:
         """What `session.started` and `session.resumed` say of the session."""
@@ -226,20 +275,28 @@ class ClientConnection:
     def answers_in_flight(self) -> int:
         return sum(1 for answer in self.answers.values() if not answer.finished)
 
-    async def shutdown(self, reason: str, flush_s: float = 2.0) -> None:
-        """End the session for a server shutdown: `session.ended`, then close 1001."""
-        if self.detached:
+    async def shutdown(self, reason: str, flush_s: float = 2.0, saved: bool = False) -> None:
+        """End the session for a server shutdown: `session.ended`, then close 1001; a
+        session `saved` for the next process closes 1012 (service restart) instead, without
+        `session.ended`: its client resumes it there."""
+        if self.detached or self.ws is None:
             await self.expire("shutdown")
             return
         await self._end_session()
-        self.send("session.ended", reason=reason)
+        if not saved:
+            self.send("session.ended", reason=reason)
         deadline = time.monotonic() + flush_s
         while self.outbox and time.monotonic() < deadline and not self.closed:
             await asyncio.sleep(0.01)
-        await self.ws.close(1001, reason)
+        if saved:
+            await self.ws.close(1012, "server restarting: resume with your handle")
+        else:
+            await self.ws.close(1001, reason)
 
     async def _handle_safely(self, raw: str | bytes) -> None:
         message_id = None
+        if self.frozen:  # being saved for a restart: `session.going_away` said so
+            return
         try:
             if len(raw) > self.config.max_message_bytes:
                 unit = "bytes" if isinstance(raw, bytes) else "characters"
@@ -313,20 +370,30 @@ class ClientConnection:
         self.open_session(message.get("options"), message.get("id"))
         self.tasks.append(asyncio.create_task(self._stats_loop()))
         if self.resumable and self.server.shelf.enabled:
-            self.resume_handle = self.server.shelf.issue(self, self.ws.principal)
+            self.resume_handle, self.resume_key = self.server.shelf.issue(self,
+                                                                          self.ws.principal)
         self.send("session.started", id=message.get("id"), **self.session_description())
 
-    def open_session(self, options: dict | None, message_id: Any = None) -> None:
-        """Start this client's pipeline on a new engine session (refused `busy` when the
-        server has no room; nothing is kept when the pipeline refuses to start)."""
-        refused = self.server.admission()
-        if refused is not None:
-            raise ProtocolError("busy", str(refused), message_id)
+    def open_session(self, options: dict | None, message_id: Any = None,
+                     saved: SavedSession | None = None) -> None:
+        """Start this client's pipeline on a new engine session, or on one restored from
+        `saved` (refused `busy` when the server has no room; nothing is kept when the
+        pipeline refuses to start)."""
+        if saved is None:
+            refused = self.server.admission()
+            if refused is not None:
+                raise ProtocolError("busy", str(refused), message_id)
         pipeline = self.server.session_pipeline(options)
         runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)],
                                 resources=self.server.resources)
-        runner.start()  # may refuse (e.g. a system prompt over the KV budget): nothing kept
-        self.runner = runner
+        session = None
+        if saved is not None:
+            session = self.server.engine.restore_session(runner.system_prompt(),
+                                                         saved.snapshot)
+        runner.start(session)  # may refuse (a system prompt over the KV budget): nothing kept
+        if saved is not None:
+            runner.restore_state(saved.pipeline_state)
+        self.runner, self.options = runner, options
         self.server.active_sessions += 1
         self.server.metrics.sessions.set(self.server.active_sessions)
         self.video_in, self.audio_in = self.runner.ingest.open_inputs()
@@ -621,8 +688,8 @@ class ClientConnection:
         if self.runner is None:
             return
         runner, self.runner = self.runner, None
-        self.server.shelf.forget(self.resume_handle)
-        self.resume_handle = None
+        self.server.shelf.forget(self.resume_key)
+        self.resume_handle = self.resume_key = None
         if self.parking is not None:
             self.parking.cancel()
         drops = self.drops(runner)

@@ -4,7 +4,8 @@ comes back with the session's handle (and the API key that made it) carries on w
 The shelf owns the handles of every resumable session and the bookkeeping of the detached
 ones (when they left, when they expire); the connection objects own the sessions themselves.
 A handle is opaque and unguessable (`secrets`), bound to a digest of the API key its session
-was made with, valid for one attachment at a time, and replaced by a new one at each resume.
+was made with, valid for one attachment at a time, and replaced by a new one at each resume;
+the server keeps only its SHA-256 (the key), also in saved state.
 Handles of sessions that ended are remembered (a bounded number) so a late client hears
 `resume_expired` rather than `resume_unknown`.
 """
@@ -59,7 +60,7 @@ class ResumeShelf:
         self.ttl_s = ttl_s
         self.max_detached = max_detached
         self.entries: dict[str, ShelfEntry] = {}
-        self.ended: OrderedDict[str, None] = OrderedDict()
+        self.ended: OrderedDict[str, str] = OrderedDict()  # handle key -> why it ended
         self.stats = ShelfStats()
 
     @property
@@ -67,19 +68,31 @@ class ResumeShelf:
         """Sessions are kept after a disconnect (a TTL and room for at least one)."""
         return self.ttl_s > 0 and self.max_detached > 0
 
-    def issue(self, connection: Resumable, principal: str, old: str | None = None) -> str:
-        """A new handle for `connection`'s session (replacing `old`, which stops working)."""
-        owner = _digest(principal)
-        if old is not None and self.entries.pop(old, None) is not None:
-            self.retire(old)
+    def issue(self, connection: Resumable, principal: str,
+              old_key: str | None = None) -> tuple[str, str]:
+        """A new handle for `connection`'s session (replacing the one of `old_key`, which
+        stops working): (the handle, its key; only the key is kept)."""
+        if old_key is not None and self.entries.pop(old_key, None) is not None:
+            self.retire(old_key)
         handle = secrets.token_urlsafe(24)
-        self.entries[handle] = ShelfEntry(connection, owner)
-        return handle
+        key = handle_key(handle)
+        self.entries[key] = ShelfEntry(connection, _digest(principal))
+        return handle, key
 
-    def detach(self, handle: str) -> list[Resumable]:
+    def adopt(self, key: str, owner: bytes, connection: Resumable,
+              detached_wall: float) -> None:
+        """A session restored from saved state: detached from now on (its TTL starts
+        again), under its saved handle's key and owner."""
+        self.entries[key] = ShelfEntry(connection, owner, time.monotonic(), detached_wall)
+
+    def owner(self, key: str) -> bytes:
+        """The owner digest of a session's handle (saved with the session)."""
+        return self.entries[key].owner
+
+    def detach(self, key: str) -> list[Resumable]:
         """The session's client left: it waits here. Returns the detached sessions that must
         now end to keep at most `max_detached` (oldest first)."""
-        entry = self.entries[handle]
+        entry = self.entries[key]
         entry.detached_at, entry.detached_wall = time.monotonic(), time.time()
         over = len(self.detached()) - self.max_detached
         victims = [e.connection for e in self.detached()[:max(over, 0)]]
@@ -94,12 +107,12 @@ class ResumeShelf:
         if not isinstance(handle, str):
             self.stats.refused += 1
             raise ProtocolError("bad_field", "session.resume.handle must be a string")
-        entry = self.entries.get(handle)
+        key = handle_key(handle)
+        entry = self.entries.get(key)
         if entry is None:
             self.stats.refused += 1
-            if handle in self.ended:
-                raise ProtocolError("resume_expired", "the session of this handle has ended "
-                                    "(expired, ended, or replaced by a newer handle)")
+            if key in self.ended:
+                raise ProtocolError("resume_expired", self.ended[key])
             raise ProtocolError("resume_unknown", "no session has this resume handle")
         if not hmac.compare_digest(entry.owner, _digest(principal)):
             self.stats.refused += 1
@@ -114,26 +127,25 @@ class ResumeShelf:
         entry.detached_at = entry.detached_wall = None
         return entry.connection, since, away
 
-    def give_back(self, handle: str, since: float, away: float) -> None:
+    def give_back(self, key: str, since: float, away: float) -> None:
         """A claim that could not finish (no room to bring the session back): detached
         again, as it was."""
-        entry = self.entries.get(handle)
+        entry = self.entries.get(key)
         if entry is not None:
             entry.detached_wall = since
             entry.detached_at = time.monotonic() - away
         self.stats.refused += 1
 
-    def forget(self, handle: str | None) -> None:
+    def forget(self, key: str | None) -> None:
         """The session ended: its handle stops working (and is remembered as ended)."""
-        if handle is None or self.entries.pop(handle, None) is None:
+        if key is None or self.entries.pop(key, None) is None:
             return
-        self.ended[handle] = None
-        while len(self.ended) > ENDED_REMEMBERED:
-            self.ended.popitem(last=False)
+        self.retire(key)
 
-    def retire(self, handle: str) -> None:
-        """A handle replaced by a newer one: remembered as ended."""
-        self.ended[handle] = None
+    def retire(self, key: str, reason: str = "the session of this handle has ended "
+               "(expired, ended, or replaced by a newer handle)") -> None:
+        """A handle that no longer works, remembered with why (bounded)."""
+        self.ended[key] = reason
         while len(self.ended) > ENDED_REMEMBERED:
             self.ended.popitem(last=False)
 
@@ -145,6 +157,11 @@ class ResumeShelf:
     def expired(self, now: float) -> list[Resumable]:
         """The detached sessions past their TTL."""
         return [e.connection for e in self.detached() if now - e.detached_at >= self.ttl_s]
+
+
+def handle_key(handle: str) -> str:
+    """What the server keeps of a handle (in memory and in saved state): its SHA-256."""
+    return hashlib.sha256(handle.encode()).hexdigest()
 
 
 def _digest(principal: str) -> bytes:
