@@ -54,7 +54,8 @@ ERROR_CODES = {
             "room to bring the session back now)",
     "resume_unknown": "session.resume with a handle no session has",
     "resume_expired": "session.resume for a session that has ended (its resume time ran out, "
-                      "it ended, or a newer handle replaced this one)",
+                      "it ended, a newer handle replaced this one, or it was saved by a server "
+                      "of another model or KV format)",
     "resume_forbidden": "session.resume with a handle made with another API key",
     "resume_in_use": "session.resume for a session attached to another connection",
     "bad_request": "a well-formed request the session cannot serve as asked (the message "
