@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
-from test_server import fetch, recv_until, url
+from test_server import fetch, recv_until, start, url
 from websockets.asyncio.client import connect
 
 from streamgrok.cache.config import CacheConfig
@@ -22,11 +23,8 @@ def config(**fields) -> ServerConfig:
 
 @pytest.fixture
 async def server(tiny_loaded):
-    srv = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30),
-                           CacheConfig(budget_tokens=512, memory_gib=0.05))
-    await srv.start()
-    yield srv
-    await srv.stop()
+    async with running(tiny_loaded, resume_ttl_s=30) as srv:
+        yield srv
 
 
 async def wait_for(condition, seconds: float = 10.0) -> None:
@@ -37,15 +35,21 @@ async def wait_for(condition, seconds: float = 10.0) -> None:
     raise AssertionError("condition not reached")
 
 
-async def started_session(ws) -> dict:
-    await ws.send(json.dumps({"type": "session.start", "id": "s"}))
-    started, _ = await recv_until(ws, "session.started")
-    return started
+@contextlib.asynccontextmanager
+async def running(loaded, cache: CacheConfig | None = None, **fields):
+    """A server on a loopback port for the block (`fields` go to its ServerConfig)."""
+    srv = StreamgrokServer(loaded, config(**fields),
+                           cache or CacheConfig(budget_tokens=512, memory_gib=0.05))
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.stop()
 
 
 async def test_a_dropped_session_resumes_with_its_context_and_a_new_handle(server):
     async with connect(url(server)) as ws:
-        started = await started_session(ws)
+        started = await start(ws)
         handle = started["resume"]["handle"]
         assert started["resume"]["ttl_s"] == 30
         context = started["context"]
@@ -87,7 +91,7 @@ async def test_a_dropped_session_resumes_with_its_context_and_a_new_handle(serve
 
 async def test_an_answer_finished_while_away_is_delivered_once_on_resume(server):
     async with connect(url(server)) as ws:
-        handle = (await started_session(ws))["resume"]["handle"]
+        handle = (await start(ws))["resume"]["handle"]
         await ws.send(json.dumps({"type": "query", "id": "long", "text": "Tell me a story."}))
         await recv_until(ws, "response.delta")
     await wait_for(lambda: server.engine.snapshot()["parked_sessions"] == 1)  # after the answer
@@ -106,14 +110,11 @@ async def test_an_answer_finished_while_away_is_delivered_once_on_resume(server)
 
 
 async def test_unknown_in_use_and_other_key_handles_are_refused(tiny_loaded):
-    srv = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30, token="alice-key,bob-key"),
-                           CacheConfig(budget_tokens=512, memory_gib=0.05))
-    await srv.start()
-    try:
+    async with running(tiny_loaded, resume_ttl_s=30, token="alice-key,bob-key") as srv:
         alice = {"Authorization": "Bearer alice-key"}
         bob = {"Authorization": "Bearer bob-key"}
         async with connect(url(srv), additional_headers=alice) as ws:
-            handle = (await started_session(ws))["resume"]["handle"]
+            handle = (await start(ws))["resume"]["handle"]
             async with connect(url(srv), additional_headers=alice) as other:
                 await other.send(json.dumps({"type": "session.resume", "handle": handle}))
                 assert (await recv_until(other, "error"))[0]["code"] == "resume_in_use"
@@ -133,20 +134,15 @@ async def test_unknown_in_use_and_other_key_handles_are_refused(tiny_loaded):
         async with connect(url(srv), additional_headers=alice) as ws:  # still resumable
             await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
             await recv_until(ws, "session.resumed")
-    finally:
-        await srv.stop()
     assert srv.active_sessions == 0
 
 
 async def test_detached_sessions_expire_and_are_bounded(tiny_loaded):
-    srv = StreamgrokServer(tiny_loaded, config(resume_ttl_s=1.0, max_detached=2),
-                           CacheConfig(budget_tokens=512, memory_gib=0.05))
-    await srv.start()
-    try:
+    async with running(tiny_loaded, resume_ttl_s=1.0, max_detached=2) as srv:
         handles = []
         for _ in range(3):
             async with connect(url(srv)) as ws:
-                handles.append((await started_session(ws))["resume"]["handle"])
+                handles.append((await start(ws))["resume"]["handle"])
             count = len(handles)
             await wait_for(lambda: srv.shelf.stats.evicted + len(srv.shelf.detached())
                            == count)  # noqa: B023 (awaited in this iteration)
@@ -159,30 +155,21 @@ async def test_detached_sessions_expire_and_are_bounded(tiny_loaded):
         async with connect(url(srv)) as ws:
             await ws.send(json.dumps({"type": "session.resume", "handle": handles[1]}))
             assert (await recv_until(ws, "error"))[0]["code"] == "resume_expired"
-    finally:
-        await srv.stop()
 
 
 async def test_without_resumption_a_dropped_session_ends(tiny_loaded):
-    srv = StreamgrokServer(tiny_loaded, config(resume_ttl_s=0),
-                           CacheConfig(budget_tokens=512, memory_gib=0.05))
-    await srv.start()
-    try:
+    async with running(tiny_loaded, resume_ttl_s=0) as srv:
         async with connect(url(srv)) as ws:
-            assert (await started_session(ws))["resume"] is None
+            assert (await start(ws))["resume"] is None
         await wait_for(lambda: srv.active_sessions == 0)
         assert srv.engine.cache.pool.used_pages == 0
-    finally:
-        await srv.stop()
 
 
 async def test_a_fact_told_before_the_drop_is_answered_after_the_resume(smollm2):
-    srv = StreamgrokServer(smollm2, config(resume_ttl_s=30),
-                           CacheConfig(budget_tokens=1024, memory_gib=0.2))
-    await srv.start()
-    try:
+    async with running(smollm2, CacheConfig(budget_tokens=1024, memory_gib=0.2),
+                       resume_ttl_s=30) as srv:
         async with connect(url(srv)) as ws:
-            handle = (await started_session(ws))["resume"]["handle"]
+            handle = (await start(ws))["resume"]["handle"]
             await ws.send(json.dumps({"type": "input.text",
                                       "text": "The visitors' meeting room is room 42."}))
             await recv_until(ws, "stats")
@@ -196,24 +183,20 @@ async def test_a_fact_told_before_the_drop_is_answered_after_the_resume(smollm2)
             assert "42" in done["text"], done["text"]
             await ws.send(json.dumps({"type": "session.end"}))
             await recv_until(ws, "session.ended")
-    finally:
-        await srv.stop()
 
 
 async def test_sessions_resume_after_a_restart_from_the_state_directory(tiny_loaded, tmp_path):
     state = tmp_path / "state"
     cache = CacheConfig(budget_tokens=512, memory_gib=0.05)
-    first = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30, state_dir=str(state)), cache)
-    await first.start()
-    try:
+    async with running(tiny_loaded, cache, resume_ttl_s=30, state_dir=str(state)) as first:
         async with connect(url(first)) as attached:
-            handle = (await started_session(attached))["resume"]["handle"]
+            handle = (await start(attached))["resume"]["handle"]
             await attached.send(json.dumps({"type": "input.text", "text": "Remember: 7."}))
             await recv_until(attached, "stats")
             stats, _ = await recv_until(attached, "stats")
             tokens = stats["kv"]["layer_tokens"]
             async with connect(url(first)) as away:  # a second client, gone before the restart
-                away_handle = (await started_session(away))["resume"]["handle"]
+                away_handle = (await start(away))["resume"]["handle"]
             await wait_for(lambda: first.shelf.detached())
             draining = asyncio.ensure_future(first.drain(5))
             going, _ = await recv_until(attached, "session.going_away")
@@ -223,11 +206,7 @@ async def test_sessions_resume_after_a_restart_from_the_state_directory(tiny_loa
             assert attached.close_code == 1012  # service restart: resume elsewhere
         assert len(list(state.glob("*.json"))) == 2  # both saved; the handles are not written
         assert handle not in "".join(p.read_text() for p in state.glob("*.json"))
-    finally:
-        await first.stop()
-    second = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30, state_dir=str(state)), cache)
-    await second.start()
-    try:
+    async with running(tiny_loaded, cache, resume_ttl_s=30, state_dir=str(state)) as second:
         assert second.active_sessions == 2 and len(second.shelf.detached()) == 2
         assert second.engine.snapshot()["kv_pages_used"] == 0  # restored parked
         assert not list(state.glob("*.json"))  # they live in the server now
@@ -245,17 +224,12 @@ async def test_sessions_resume_after_a_restart_from_the_state_directory(tiny_loa
             await ws.send(json.dumps({"type": "session.end"}))
             await recv_until(ws, "session.ended")
         await second.drain(5)  # the first one is detached again: saved again
-    finally:
-        await second.stop()
     other = CacheConfig(budget_tokens=512, memory_gib=0.05, kv_dtype="int8")
-    third = StreamgrokServer(tiny_loaded, config(resume_ttl_s=30, state_dir=str(state)), other)
-    await third.start()
-    try:  # another KV format: refused with the reason, the files left alone
+    # another KV format: refused with the reason, the files left alone
+    async with running(tiny_loaded, other, resume_ttl_s=30, state_dir=str(state)) as third:
         assert third.active_sessions == 0 and len(list(state.glob("*.json"))) == 1
         async with connect(url(third)) as ws:
             await ws.send(json.dumps({"type": "session.resume",
                                       "handle": resumed["resume"]["handle"]}))
             error, _ = await recv_until(ws, "error")
             assert error["code"] == "resume_expired" and "KV format" in error["message"]
-    finally:
-        await third.stop()

@@ -47,7 +47,7 @@ class ClientConnection:
 
     resumable = True  # protocol v1 sessions can be resumed
 
-    def __init__(self, server: StreamgrokServer, ws: AsgiSocket) -> None:
+    def __init__(self, server: StreamgrokServer, ws: AsgiSocket | None) -> None:
         self.server = server
         self.ws = ws
         self.config = server.config
