@@ -185,32 +185,34 @@ async def test_a_fact_told_before_the_drop_is_answered_after_the_resume(smollm2)
             await recv_until(ws, "session.ended")
 
 
-async def test_sessions_resume_after_a_restart_from_the_state_directory(tiny_loaded, tmp_path):
-    state = tmp_path / "state"
+async def test_sessions_resume_on_another_process_from_the_state_directory(tiny_loaded,
+                                                                          tmp_path):
+    """A replica drains (SIGTERM) and saves its sessions in a folder shared with another
+    replica (or its own next process): their clients resume there."""
+    state = str(tmp_path / "state")
     cache = CacheConfig(budget_tokens=512, memory_gib=0.05)
-    async with running(tiny_loaded, cache, resume_ttl_s=30, state_dir=str(state)) as first:
-        async with connect(url(first)) as attached:
-            handle = (await start(attached))["resume"]["handle"]
-            await attached.send(json.dumps({"type": "input.text", "text": "Remember: 7."}))
-            await recv_until(attached, "stats")
-            stats, _ = await recv_until(attached, "stats")
-            tokens = stats["kv"]["layer_tokens"]
-            async with connect(url(first)) as away:  # a second client, gone before the restart
-                away_handle = (await start(away))["resume"]["handle"]
-            await wait_for(lambda: first.shelf.detached())
-            draining = asyncio.ensure_future(first.drain(5))
-            going, _ = await recv_until(attached, "session.going_away")
-            assert going["resumable"] is True
-            await draining
-            await attached.wait_closed()
-            assert attached.close_code == 1012  # service restart: resume elsewhere
-        assert len(list(state.glob("*.json"))) == 2  # both saved; the handles are not written
-        assert handle not in "".join(p.read_text() for p in state.glob("*.json"))
-    async with running(tiny_loaded, cache, resume_ttl_s=30, state_dir=str(state)) as second:
-        assert second.active_sessions == 2 and len(second.shelf.detached()) == 2
-        assert second.engine.snapshot()["kv_pages_used"] == 0  # restored parked
-        assert not list(state.glob("*.json"))  # they live in the server now
-        async with connect(url(second)) as ws:
+    async with running(tiny_loaded, cache, resume_ttl_s=30, state_dir=state) as other:
+        async with running(tiny_loaded, cache, resume_ttl_s=30, state_dir=state) as first:
+            async with connect(url(first)) as attached:
+                handle = (await start(attached))["resume"]["handle"]
+                await attached.send(json.dumps({"type": "input.text", "text": "Remember 7."}))
+                await recv_until(attached, "stats")
+                stats, _ = await recv_until(attached, "stats")
+                tokens = stats["kv"]["layer_tokens"]
+                async with connect(url(first)) as away:  # a second client, gone before
+                    away_handle = (await start(away))["resume"]["handle"]
+                await wait_for(lambda: first.shelf.detached())
+                draining = asyncio.ensure_future(first.drain(5))
+                going, _ = await recv_until(attached, "session.going_away")
+                assert going["resumable"] is True
+                await draining
+                await attached.wait_closed()
+                assert attached.close_code == 1012  # service restart: resume elsewhere
+        saved = list((tmp_path / "state").glob("*.json"))
+        assert len(saved) == 2  # both saved; the handles themselves are not written
+        assert handle not in "".join(p.read_text() for p in saved)
+        assert other.active_sessions == 0  # restored when resumed, not before
+        async with connect(url(other)) as ws:
             await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
             resumed, _ = await recv_until(ws, "session.resumed")
             stats, _ = await recv_until(ws, "stats")
@@ -218,18 +220,19 @@ async def test_sessions_resume_after_a_restart_from_the_state_directory(tiny_loa
             await ws.send(json.dumps({"type": "query", "id": "q", "text": "What number?"}))
             done, _ = await recv_until(ws, "response.done")
             assert done["tokens"] > 0
-        async with connect(url(second)) as ws:
+        assert len(list((tmp_path / "state").glob("*.json"))) == 1  # it lives here now
+        async with connect(url(other)) as ws:
             await ws.send(json.dumps({"type": "session.resume", "handle": away_handle}))
             await recv_until(ws, "session.resumed")
             await ws.send(json.dumps({"type": "session.end"}))
             await recv_until(ws, "session.ended")
-        await second.drain(5)  # the first one is detached again: saved again
-    other = CacheConfig(budget_tokens=512, memory_gib=0.05, kv_dtype="int8")
-    # another KV format: refused with the reason, the files left alone
-    async with running(tiny_loaded, other, resume_ttl_s=30, state_dir=str(state)) as third:
-        assert third.active_sessions == 0 and len(list(state.glob("*.json"))) == 1
-        async with connect(url(third)) as ws:
+        await wait_for(lambda: other.shelf.detached())
+        await other.drain(5)  # the first session, detached again: saved again
+    int8 = CacheConfig(budget_tokens=512, memory_gib=0.05, kv_dtype="int8")
+    async with running(tiny_loaded, int8, resume_ttl_s=30, state_dir=state) as third:
+        async with connect(url(third)) as ws:  # another KV format: refused, saying why
             await ws.send(json.dumps({"type": "session.resume",
                                       "handle": resumed["resume"]["handle"]}))
             error, _ = await recv_until(ws, "error")
             assert error["code"] == "resume_expired" and "KV format" in error["message"]
+        assert len(list((tmp_path / "state").glob("*.json"))) == 1  # left on disk

@@ -41,8 +41,8 @@ from streamgrok.server.load import (
 )
 from streamgrok.server.metrics import ServerMetrics
 from streamgrok.server.refusals import RefusalLog
-from streamgrok.server.resumption import ResumeShelf
-from streamgrok.server.session_store import SessionStore
+from streamgrok.server.resumption import ResumeShelf, handle_key
+from streamgrok.server.session_store import Refused, SessionStore
 
 log = logging.getLogger(__name__)
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -251,27 +251,41 @@ class StreamgrokServer:
                 "kv_dtype": cache.kv_dtype, "page_size": cache.page_size}
 
     async def _restore_sessions(self) -> None:
-        """Sessions the previous process saved in `--state-dir` wait, detached, for their
-        clients (their resume time starts now); refused ones are logged with why, and a
-        client resuming one is told."""
+        """Forget saved sessions whose resume time ran out (the others are restored when
+        their clients resume them, see `restore_saved`)."""
         if self.store is None:
             return
-        saved, refused = await asyncio.to_thread(self.store.load)
-        for entry in refused:
-            self.shelf.retire(entry.key, f"the saved session could not be restored: "
-                                         f"{entry.reason}")
-        for session in saved:
-            try:
-                ClientConnection.restored(self, session)
-            except Exception as exc:
-                log.error("saved session %s not restored: %s", session.key[:12], exc)
-                self.shelf.retire(session.key, f"the saved session could not be restored: "
-                                               f"{exc}")
-                continue
-            self.store.remove(session.key)
-        if saved or refused:
-            log.info("restored %d saved sessions (%d refused) from %s",
-                     len(saved), len(refused), self.config.state_dir)
+        removed = await asyncio.to_thread(self.store.remove_expired, self.shelf.ttl_s,
+                                          time.time())
+        if removed:
+            log.info("%d saved sessions had expired: removed from %s", removed,
+                     self.config.state_dir)
+
+    async def restore_saved(self, handle: object) -> None:
+        """A resume for a handle this process does not hold: the session saved under it
+        in `--state-dir` (by this server's previous process, or by another replica sharing
+        the folder) is restored, detached, so the resume can claim it. One of another model
+        or KV format, or past its resume time, is remembered as ended, with why."""
+        if self.store is None or not isinstance(handle, str):
+            return
+        key = handle_key(handle)
+        if key in self.shelf.entries:
+            return
+        saved = await asyncio.to_thread(self.store.load, key)
+        if saved is None:
+            return
+        if isinstance(saved, Refused):
+            self.shelf.retire(key, f"the saved session could not be restored: {saved.reason}")
+            return
+        self.store.remove(key)
+        if time.time() - saved.detached_wall >= self.shelf.ttl_s:
+            self.shelf.retire(key, "the saved session's resume time ran out")
+            return
+        try:
+            ClientConnection.restored(self, saved)
+        except Exception as exc:
+            log.error("saved session %s not restored: %s", key[:12], exc)
+            self.shelf.retire(key, f"the saved session could not be restored: {exc}")
 
     async def _save_sessions(self) -> set[ClientConnection]:
         """Save every resumable session to the state directory; returns those saved."""

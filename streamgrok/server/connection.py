@@ -172,6 +172,7 @@ class ClientConnection:
             raise ProtocolError("session_exists", "session.resume while a session runs",
                                 message.get("id"))
         shelf = self.server.shelf
+        await self.server.restore_saved(message["handle"])  # saved by a previous process
         try:
             target, since, away = shelf.claim(message["handle"], self.ws.principal)
         except ProtocolError as exc:

@@ -81,9 +81,11 @@ class ResumeShelf:
 
     def adopt(self, key: str, owner: bytes, connection: Resumable,
               detached_wall: float) -> None:
-        """A session restored from saved state: detached from now on (its TTL starts
-        again), under its saved handle's key and owner."""
-        self.entries[key] = ShelfEntry(connection, owner, time.monotonic(), detached_wall)
+        """A session restored from saved state: detached since `detached_wall` (unix
+        seconds; its resume time counts from then), under its saved handle's key and
+        owner."""
+        since = time.monotonic() - max(0.0, time.time() - detached_wall)
+        self.entries[key] = ShelfEntry(connection, owner, since, detached_wall)
 
     def owner(self, key: str) -> bytes:
         """The owner digest of a session's handle (saved with the session)."""

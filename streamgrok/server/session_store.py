@@ -1,7 +1,9 @@
 """Saved sessions (`streamgrok serve --state-dir DIR`): what a draining server writes so the
 next process, serving the same model, can resume them.
 
-Each session is two files named by its resume handle's key (a SHA-256: the handle itself is
+Sessions are restored one at a time, when a client resumes one (the folder may be shared by
+replicas: whichever replica the client's affinity key reaches restores it). Each session is
+two files named by its resume handle's key (a SHA-256: the handle itself is
 never written): `KEY.safetensors` with its KV entries, token records and frame embeddings, and
 `KEY.json` with everything else (format version, the model and KV format it belongs to, the
 handle's owner digest, the pipeline's notes, messages held for the client) and the SHA-256 of
@@ -75,18 +77,32 @@ class SessionStore:
         _atomic(path, lambda tmp: tmp.write_text(json.dumps(header)))
         return path
 
-    def load(self) -> tuple[list[SavedSession], list[Refused]]:
-        """Every saved session this server can restore, and those it refuses (with why)."""
-        sessions, refused = [], []
-        if not self.folder.is_dir():
-            return sessions, refused
-        for path in sorted(self.folder.glob("*.json")):
+    def load(self, key: str) -> SavedSession | Refused | None:
+        """The saved session of a handle's key, a refusal saying why it cannot be restored
+        here, or None when nothing is saved under that key."""
+        if not _is_key(key):
+            return None
+        path = self.folder / f"{key}.json"
+        if not path.is_file():
+            return None
+        try:
+            return self._read(path)
+        except (ValueError, OSError, KeyError, TypeError) as exc:
+            log.error("saved session %s not restored: %s", path.name, exc)
+            return Refused(key, str(exc))
+
+    def remove_expired(self, ttl_s: float, now: float) -> int:
+        """Delete the saved sessions whose resume time ran out; returns how many."""
+        removed = 0
+        for path in self.folder.glob("*.json") if self.folder.is_dir() else ():
             try:
-                sessions.append(self._read(path))
-            except (ValueError, OSError, KeyError, TypeError) as exc:
-                log.error("saved session %s not restored: %s", path.name, exc)
-                refused.append(Refused(path.stem, str(exc)))
-        return sessions, refused
+                detached = float(json.loads(path.read_text())["detached_wall"])
+            except (ValueError, OSError, KeyError, TypeError):
+                continue  # not ours to judge: left for an operator
+            if now - detached >= ttl_s:
+                self.remove(path.stem)
+                removed += 1
+        return removed
 
     def remove(self, key: str) -> None:
         """Delete a session's files (it lives in the server again)."""
@@ -141,6 +157,10 @@ def _snapshot(tensors: dict[str, torch.Tensor], layout: dict) -> SequenceSnapsho
     return SequenceSnapshot(layers, int(layout["stream_pos"]), int(layout["next_group"]),
                             layout["last_frame_source"], int(layout["pinned"]),
                             [int(b) for b in layout["budget_bonus"]], frames)
+
+
+def _is_key(key: str) -> bool:
+    return len(key) == 64 and all(c in "0123456789abcdef" for c in key)
 
 
 def _atomic(path: Path, write) -> None:
