@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import time
 
@@ -88,6 +89,32 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+def discard_rows(tensor: torch.Tensor, runs: list[tuple[int, int]]) -> int:
+    """Give the system back the memory of rows [start, stop) of each run of a CPU tensor
+    (madvise MADV_DONTNEED on the whole OS pages inside them; the rows then read as zeros
+    and are committed again when written). For storage that is zeroed before reuse anyway,
+    like freed KV pages. Returns the bytes given back (0 off Linux or on another device)."""
+    path = ctypes.util.find_library("c")
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not path \
+            or not os.uname().sysname == "Linux":
+        return 0
+    libc = ctypes.CDLL(path, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+    base = tensor.data_ptr()
+    given = 0
+    for start, stop in runs:
+        first = -(-(base + start * row_bytes) // page) * page  # round up to an OS page
+        last = (base + stop * row_bytes) // page * page  # round down
+        if last > first and libc.madvise(first, last - first, MADV_DONTNEED) == 0:
+            given += last - first
+    return given
 
 
 def default_threads() -> int:

@@ -148,3 +148,22 @@ async def test_an_exported_session_restored_in_another_engine_answers_the_same(t
 async def unparked(session):
     await session.unpark()
     return session
+
+
+def test_pages_a_park_frees_give_their_memory_back(monkeypatch):
+    cache = PagedKVCache(CFG, CacheConfig(policy="full", budget_tokens=None), num_pages=128)
+    cache.add_sequence(1)
+    cache.add_sequence(2)
+    append_random(cache, 1, 300, seed=1)
+    append_random(cache, 2, 20, seed=2)
+    assert cache.pool.discard(list(cache.sequences[2].layers[0].pages)) == 0  # in use
+    before = stored(cache, 2)
+    given = []
+    discard = cache.pool.discard
+    monkeypatch.setattr(cache.pool, "discard", lambda pages: given.append(discard(pages)))
+    cache.park(1)
+    assert given and given[0] > 0  # whole OS pages of the freed KV pages went back
+    for a, b in zip(before, stored(cache, 2)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))  # the others are untouched
+    cache.unpark(1)  # pages handed out again are zeroed, then written
+    check_pool(cache)

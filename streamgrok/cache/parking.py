@@ -35,9 +35,12 @@ def park_layers(pool: PagePool, layers: list[LayerTokens]) -> ParkedKV:
     for rec in layers:
         entries = pool.gather_raw(rec.slots().to(pool.paged_kv().k.device))
         stored.append(tuple(t.to("cpu", copy=True) for t in entries))
+    released = []
     for rec in layers:  # only after every copy: a failure above leaves the pages in place
         pool.release(rec.pages)
+        released.extend(rec.pages)
         rec.set_pages([])
+    pool.discard(released)  # the host copy replaces them: their memory goes back to the OS
     return ParkedKV(stored)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from streamgrok.errors import CacheFullError
+from streamgrok.runtime import discard_rows
 from streamgrok_kernels.paged_kv import PagedKV
 
 
@@ -88,6 +89,19 @@ class PagePool:
             if self.refcount[page] == 0:
                 self.generation[page] += 1  # whatever the prefix index knew of it is gone
                 self._free.append(page)
+
+    def discard(self, pages: list[int]) -> int:
+        """Give the system back the memory of free `pages` (CPU pools; they are zeroed
+        again when handed out); returns the bytes given back. Pages still referenced are
+        left alone."""
+        free = sorted(page for page in set(pages) if self.refcount[page] == 0)
+        runs: list[tuple[int, int]] = []
+        for page in free:
+            if runs and runs[-1][1] == page * self.page_size:
+                runs[-1] = (runs[-1][0], (page + 1) * self.page_size)
+            else:
+                runs.append((page * self.page_size, (page + 1) * self.page_size))
+        return sum(discard_rows(stored, runs) for stored in self.paged_kv().tensors())
 
     def paged_kv(self) -> PagedKV:
         """The pool's tensors as the kernels take them (writes go through KernelOps.kv_append)."""
