@@ -1,0 +1,162 @@
+"""What lets a client's session outlive its connection: detaching when the socket drops,
+resuming on another socket, expiring, and saving for and restoring from the next process.
+
+`SessionResumption` is a part of `ClientConnection` (the session's one owner), kept in its own
+file; it uses the connection's session, outbox and server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from streamgrok.errors import CacheFullError, StreamgrokError
+from streamgrok.server.asgi_socket import AsgiSocket
+from streamgrok.server.protocol import ProtocolError, event
+from streamgrok.server.session_store import SavedSession, SessionStore
+
+if TYPE_CHECKING:
+    from streamgrok.server.app import StreamgrokServer
+    from streamgrok.server.connection import ClientConnection
+
+log = logging.getLogger(__name__)
+
+
+class SessionResumption:
+    """Detach, resume, expire, save and restore: the resumable side of a client session."""
+
+    def _resumable(self) -> bool:
+        return (self.resumable and self.runner is not None and self.resume_key is not None
+                and self.server.shelf.enabled and self.server.accepting)
+
+    async def _detach(self) -> None:
+        """The client dropped: keep the session for `--resume-ttl` seconds, its KV parked
+        in host memory once its running answers end (answers finishing meanwhile wait for
+        the client in the outbox; their deltas and stats are not kept)."""
+        self.detached = True
+        self.ws = None
+        self.stream_time_at_detach = self.runner.stats.stream_time
+        log.info("session %s detached; resumable for %g s", self.runner.session.id,
+                 self.server.shelf.ttl_s,
+                 extra={"event": "session.detached", "session": self.runner.session.id})
+        for victim in self.server.shelf.detach(self.resume_key):
+            await victim.expire("evicted")
+        if self.detached and self.runner is not None:
+            self.parking = asyncio.ensure_future(self._park())
+
+    async def _park(self) -> None:
+        try:
+            await self.runner.session.park()
+        except StreamgrokError:  # the session ended meanwhile
+            pass
+
+    async def expire(self, reason: str) -> None:
+        """End a detached session for good (its TTL passed, or it made room)."""
+        if not self.detached:
+            return
+        log.info("detached session %s ended (%s)",
+                 self.runner.session.id if self.runner else "?", reason,
+                 extra={"event": "session.expired"})
+        if reason == "expired":
+            self.server.shelf.stats.expired += 1
+        self.closed = True
+        await self._end_session()
+        self.detached = False
+        self.server.connections.discard(self)
+
+    async def _resume(self, message: dict) -> None:
+        """`session.resume`: take a detached session back onto this socket (or, with
+        `or_start`, start a new session when its handle is unknown or expired)."""
+        if self.runner is not None:
+            raise ProtocolError("session_exists", "session.resume while a session runs",
+                                message.get("id"))
+        shelf = self.server.shelf
+        await self.server.restore_saved(message["handle"])  # saved by a previous process
+        try:
+            target, since, away = shelf.claim(message["handle"], self.ws.principal)
+        except ProtocolError as exc:
+            exc.message_id = message.get("id")
+            if exc.code in ("resume_unknown", "resume_expired") and message.get("or_start"):
+                self.error(exc.code, f"{exc}; starting a new session", message.get("id"))
+                await self._start(message)
+                return
+            raise
+        try:
+            await target.runner.session.unpark()
+        except CacheFullError as exc:
+            shelf.give_back(target.resume_key, since, away)
+            raise ProtocolError("busy", f"no room to bring the session back now ({exc}); "
+                                "retry soon", message.get("id")) from None
+        target.attach(self.ws, since, away, message.get("id"))
+        shelf.stats.resumed += 1
+        self.handover = target
+
+    def attach(self, ws: AsgiSocket, since: float, away: float, message_id: Any) -> None:
+        """Serve this (detached) session on `ws` again: `session.resumed` first, then what
+        finished while it was away, with a new resume handle."""
+        self.ws, self.detached, self.closed = ws, False, False
+        self.media_times.clear()
+        self.resume_handle, self.resume_key = self.server.shelf.issue(self, ws.principal,
+                                                                      self.resume_key)
+        held = len(self.outbox)
+        self.outbox.appendleft(("session.resumed", event(
+            "session.resumed", id=message_id, **self.session_description(),
+            gap={"start": since, "end": since + away, "seconds": away,
+                 "stream_time": self.stream_time_at_detach},
+            delivered=held)))
+        self.outbox_ready.set()
+        log.info("session %s resumed after %.1f s (%d messages held)", self.runner.session.id,
+                 away, held, extra={"event": "session.resumed", "session": self.runner.session.id})
+
+    @classmethod
+    def restored(cls, server: StreamgrokServer, saved: SavedSession) -> ClientConnection:
+        """A session saved by the previous server process, detached and resumable under its
+        saved handle."""
+        connection = cls(server, None)
+        connection.open_session(saved.options, saved=saved)
+        connection.tasks.append(asyncio.create_task(connection._stats_loop()))
+        connection.detached = True
+        connection.resume_key = saved.key
+        connection.stream_time_at_detach = saved.stream_time
+        connection.outbox.extend(saved.held)
+        server.shelf.adopt(saved.key, saved.owner, connection, saved.detached_wall)
+        server.connections.add(connection)
+        return connection
+
+    async def save(self, store: SessionStore, wait_s: float = 30.0) -> bool:
+        """Write this session to the state directory for the next server process (its KV
+        parked first; the client's further messages are ignored). False when it cannot
+        be parked in `wait_s` seconds."""
+        if self.runner is None or self.resume_key is None:
+            return False
+        self.frozen = True
+        shelf = self.server.shelf
+        detached_wall = next((e.detached_wall for e in shelf.detached()
+                              if e.connection is self), None)
+        try:
+            if not await asyncio.wait_for(self.runner.session.park(), wait_s):
+                return False
+            snapshot = await self.runner.session.export()
+        except (TimeoutError, StreamgrokError, RuntimeError) as exc:
+            log.warning("session %s not saved: %s", self.runner.session.id, exc)
+            return False
+        held = [(k, t) for k, t in self.outbox if k not in ("response.delta", "stats")] \
+            if self.detached else []
+        saved = SavedSession(
+            self.resume_key, shelf.owner(self.resume_key), detached_wall or time.time(),
+            self.options, self.runner.export_state(), snapshot,
+            self.stream_time_at_detach if self.detached else self.runner.stats.stream_time,
+            held)
+        await asyncio.to_thread(store.save, saved)
+        log.info("session %s saved for a resume after the restart", self.runner.session.id,
+                 extra={"event": "session.saved", "session": self.runner.session.id})
+        return True
+
+    def resume_info(self) -> dict | None:
+        """The session's resume handle and how long it outlives a dropped connection (None
+        when the server keeps no session after a disconnect)."""
+        if self.resume_handle is None:
+            return None
+        return {"handle": self.resume_handle, "ttl_s": self.server.shelf.ttl_s}
