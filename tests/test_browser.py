@@ -75,9 +75,10 @@ class DevTools:
 
 async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp_path):
     config = ServerConfig("pipelines/live_qa.py", port=0, stats_interval_s=0.5,
-                          pipeline_options={"transcribe": "false"}, load_tick_s=None)
-    server = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512,
-                                                               memory_gib=0.05))
+                          pipeline_options={"transcribe": "false"}, load_tick_s=None,
+                          state_dir=str(tmp_path / "state"))
+    cache = CacheConfig(budget_tokens=512, memory_gib=0.05)
+    server = StreamgrokServer(tiny_loaded, config, cache)
     await server.start()
     profile = tmp_path / "profile"
     browser = subprocess.Popen(
@@ -145,6 +146,17 @@ async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp
         await tools.wait_for("document.getElementById('kv').textContent.includes('pages')")
         frames_in = server.engine.snapshot()
         assert frames_in["prefill_tokens"] > 0
+        # the server restarts (SIGTERM's drain saves the session; a new process on the same
+        # port): the page resumes the same session there
+        await server.drain(5)
+        config.port = server.port
+        server = StreamgrokServer(tiny_loaded, config, cache)
+        await server.start()
+        await tools.wait_for("document.getElementById('events').textContent"
+                             ".split('resumed after').length === 3", seconds=60)
+        events = await tools.js("document.getElementById('events').textContent")
+        assert "shutting down" in events and "a new session" not in events
+        await tools.wait_for("document.getElementById('status').className === ''")
         shot = await tools.call("Page.captureScreenshot", {"format": "png"})
         ARTIFACTS.mkdir(exist_ok=True)
         target = ARTIFACTS / "assistant.png"

@@ -3,6 +3,7 @@ loopback port; every server event is validated against the package's published e
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import shutil
@@ -13,6 +14,7 @@ from openai import AsyncOpenAI
 from openai.types.realtime.realtime_server_event import RealtimeServerEvent
 from pydantic import TypeAdapter
 from test_openai_api import data_url
+from websockets.asyncio.client import connect
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.server.app import ServerConfig, StreamgrokServer
@@ -113,10 +115,41 @@ async def test_cancel_stops_the_response_and_errors_keep_the_session(server):
     for _ in range(100):  # pages and the session count are released one after the other
         if server.engine.cache.pool.used_pages == 0 and server.active_sessions == 0:
             break
-        import asyncio
-
         await asyncio.sleep(0.05)
     assert server.engine.cache.pool.used_pages == 0 and server.active_sessions == 0
+
+
+async def test_a_realtime_session_asked_resumable_resumes_with_its_handle(server):
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="k",
+                         max_retries=0)
+    async with client.realtime.connect(model="tiny", extra_query={"resumable": "true"}) \
+            as connection:
+        created = (await events_until(connection, "session.created"))[-1]
+        handle = created["resume"]["handle"]
+        await connection.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Remember the word pelican."}]})
+        await events_until(connection, "conversation.item.done")
+    url = f"ws://127.0.0.1:{server.port}/v1/realtime?model=tiny&resume={handle}"
+    auth = {"Authorization": "Bearer k"}
+    async with connect(f"ws://127.0.0.1:{server.port}/ws", additional_headers=auth) as ws:
+        await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
+        error = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        assert error["code"] == "bad_request" and "/v1/realtime" in error["message"]
+    async with connect(url, additional_headers=auth) as ws:
+        resumed = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        assert resumed["type"] == "session.resumed" and resumed["gap"]["seconds"] >= 0
+        assert resumed["resume"]["handle"] != handle
+        await ws.send(json.dumps({"type": "response.create"}))
+        while (event := json.loads(await asyncio.wait_for(ws.recv(), 30)))["type"] \
+                != "response.done":
+            SCHEMA.validate_python(event)  # after session.resumed, the published events
+        assert event["response"]["status"] in ("completed", "incomplete")
+    async with connect(url, additional_headers=auth) as ws:  # the old handle is spent
+        error = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        assert error["type"] == "error" and error["error"]["code"] == "resume_expired"
+        created = json.loads(await asyncio.wait_for(ws.recv(), 20))
+        assert created["type"] == "session.created"  # a new session instead
 
 
 @pytest.mark.skipif(shutil.which("espeak-ng") is None,

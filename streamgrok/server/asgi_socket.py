@@ -17,9 +17,14 @@ class ClientGone(Exception):
 class AsgiSocket:
     """Wraps a Starlette `WebSocket` that is already accepted."""
 
-    def __init__(self, websocket: WebSocket, principal: str = "") -> None:
+    def __init__(self, websocket: WebSocket, principal: str = "",
+                 resume: str | None = None, resumable: bool = False) -> None:
         self.websocket = websocket
         self.principal = principal  # the API key it was let in with ("" without keys)
+        # Realtime: a resume handle given with the upgrade request, and whether the client
+        # asked for a resumable session
+        self.resume = resume
+        self.resumable = resumable
 
     async def recv(self) -> str | bytes:
         """The next message, text or binary; raises `ClientGone` when the client left."""

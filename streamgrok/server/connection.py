@@ -459,8 +459,8 @@ class ClientConnection(SessionResumption):
     def _queue(self, kind: str, text: str) -> None:
         if self.closed:
             return
-        if self.detached and kind in ("response.delta", "stats"):
-            return  # superseded: response.done carries the whole text, stats come anew
+        if self.detached and kind in self.SUPERSEDED_WHILE_AWAY:
+            return  # not kept: response.done carries the whole text, stats come anew
         if len(self.outbox) >= self.config.outbound_queue:
             self.dropped_outbound += 1
             self.server.metrics.outbound_dropped.inc()

@@ -58,7 +58,11 @@ def build_app(server: StreamgrokServer) -> Starlette:
 
     def socket(websocket: WebSocket) -> AsgiSocket:
         principal = access.principal(websocket.headers, websocket.query_params)
-        return AsgiSocket(websocket, principal or "")
+        resume = (websocket.headers.get("x-streamgrok-resume")
+                  or websocket.query_params.get("resume"))
+        asked = (websocket.headers.get("x-streamgrok-resumable")
+                 or websocket.query_params.get("resumable") or "").lower()
+        return AsgiSocket(websocket, principal or "", resume, asked in ("1", "true"))
 
     async def protocol_v1(websocket: WebSocket) -> None:
         if await websocket_gate(websocket):

@@ -59,10 +59,18 @@ SPEECH_WAIT_S = 15.0  # response.create after audio: how long to wait for its tr
 
 class RealtimeConnection(ClientConnection):
     """One Realtime client: a live pipeline session (observers, speech, the KV cache) that
-    speaks the Realtime events instead of protocol v1. Its session ends with its connection
-    (resumption is protocol v1's)."""
+    speaks the Realtime events instead of protocol v1.
 
-    resumable = False
+    A client that asks for it (`?resumable=true` or `X-Streamgrok-Resumable: true` on the
+    upgrade request; like Gemini Live, where resumption is asked for in the setup) gets a
+    resume handle in `session.created`, and its session outlives a dropped connection: a
+    client reconnecting with `?resume=HANDLE` or `X-Streamgrok-Resume: HANDLE` gets
+    `session.resumed` and carries on (the same conversation items, instructions and context).
+    Otherwise the session ends with its connection, as OpenAI's does. Not saved across a
+    restart (`--state-dir`)."""
+
+    SUPERSEDED_WHILE_AWAY = ("response.output_text.delta", "response.output_audio_transcript"
+                             ".delta", "response.content_part.added")
 
     def __init__(self, server, ws: AsgiSocket) -> None:
         super().__init__(server, ws)
@@ -84,20 +92,50 @@ class RealtimeConnection(ClientConnection):
         self.started_at = time.monotonic()
 
     async def serve(self) -> None:
+        if self.ws.resume is not None and self.server.shelf.enabled:
+            try:
+                await self._resume({"handle": self.ws.resume, "id": None})
+            except ProtocolError as exc:
+                if exc.code not in ("resume_unknown", "resume_expired"):
+                    await self._refuse(exc.code, str(exc), 1008, "resume refused")
+                    return
+                self.error(exc.code, f"{exc}; a new session starts")
+            else:
+                await super().serve()  # the resumed session, on this socket
+                return
         try:
             await self.server.media_models()
             self.open_session(None)
         except (ProtocolError, StreamgrokError) as exc:
             code = exc.code if isinstance(exc, ProtocolError) else "session_refused"
-            self.error(code, str(exc))
-            writer = asyncio.create_task(self._writer())
-            await asyncio.sleep(0.1)
-            writer.cancel()
-            await self.ws.close(1013, "no room for a session")
+            await self._refuse(code, str(exc), 1013, "no room for a session")
             return
         self.max_output_tokens = self.runner.pipeline.sampling.max_tokens
-        self.send("session.created", session=self._session())
+        if self.server.shelf.enabled and self.ws.resumable:
+            self.resume_handle, self.resume_key = self.server.shelf.issue(self,
+                                                                          self.ws.principal)
+        self.send("session.created", session=self._session(), resume=self.resume_info())
         await super().serve()
+
+    async def _refuse(self, code: str, message: str, close_code: int, reason: str) -> None:
+        self.error(code, message)
+        writer = asyncio.create_task(self._writer())
+        await asyncio.sleep(0.1)
+        writer.cancel()
+        await self.ws.close(close_code, reason)
+
+    def resumed_message(self, message_id: Any, gap: dict, held: int) -> str:
+        """`session.resumed` as a Realtime event: the session object, the new resume
+        handle, the gap and how many held events follow."""
+        body = {"type": "session.resumed", "event_id": f"event_{next(self._event_ids)}",
+                "session": self._session(), "resume": self.resume_info(), "gap": gap,
+                "delivered": held}
+        return json.dumps(body, allow_nan=False, default=str)
+
+    async def save(self, store, wait_s: float = 30.0) -> bool:
+        """Realtime sessions are not saved for the next process (their conversation items
+        live in this one); they end with the server."""
+        return False
 
     def _session(self) -> dict:
         return session_object(self.session_name, self.server.model_name, self.instructions,

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 class SessionResumption:
     """Detach, resume, expire, save and restore: the resumable side of a client session."""
 
+    # messages not kept for a detached session's client: what `response.done` (or its
+    # Realtime equivalent) and the next stats carry again
+    SUPERSEDED_WHILE_AWAY: tuple[str, ...] = ("response.delta", "stats")
+
     def _resumable(self) -> bool:
         return (self.resumable and self.runner is not None and self.resume_key is not None
                 and self.server.shelf.enabled and self.server.accepting)
@@ -83,6 +87,11 @@ class SessionResumption:
                 await self._start(message)
                 return
             raise
+        if type(target) is not type(self):
+            shelf.give_back(target.resume_key, since, away)
+            raise ProtocolError("bad_request", "this handle's session speaks another protocol "
+                                "(Realtime sessions resume at /v1/realtime, protocol v1 ones "
+                                "at /ws)", message.get("id"))
         try:
             await target.runner.session.unpark()
         except CacheFullError as exc:
@@ -101,14 +110,17 @@ class SessionResumption:
         self.resume_handle, self.resume_key = self.server.shelf.issue(self, ws.principal,
                                                                       self.resume_key)
         held = len(self.outbox)
-        self.outbox.appendleft(("session.resumed", event(
-            "session.resumed", id=message_id, **self.session_description(),
-            gap={"start": since, "end": since + away, "seconds": away,
-                 "stream_time": self.stream_time_at_detach},
-            delivered=held)))
+        gap = {"start": since, "end": since + away, "seconds": away,
+               "stream_time": self.stream_time_at_detach}
+        self.outbox.appendleft(("session.resumed", self.resumed_message(message_id, gap, held)))
         self.outbox_ready.set()
         log.info("session %s resumed after %.1f s (%d messages held)", self.runner.session.id,
                  away, held, extra={"event": "session.resumed", "session": self.runner.session.id})
+
+    def resumed_message(self, message_id: Any, gap: dict, held: int) -> str:
+        """The `session.resumed` message (protocol v1's shape)."""
+        return event("session.resumed", id=message_id, **self.session_description(), gap=gap,
+                     delivered=held)
 
     @classmethod
     def restored(cls, server: StreamgrokServer, saved: SavedSession) -> ClientConnection:
@@ -142,7 +154,7 @@ class SessionResumption:
         except (TimeoutError, StreamgrokError, RuntimeError) as exc:
             log.warning("session %s not saved: %s", self.runner.session.id, exc)
             return False
-        held = [(k, t) for k, t in self.outbox if k not in ("response.delta", "stats")] \
+        held = [(k, t) for k, t in self.outbox if k not in self.SUPERSEDED_WHILE_AWAY] \
             if self.detached else []
         saved = SavedSession(
             self.resume_key, shelf.owner(self.resume_key), detached_wall or time.time(),
