@@ -148,8 +148,8 @@ async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp
         assert frames_in["prefill_tokens"] > 0
         # the server restarts (SIGTERM's drain saves the session; a new process on the same
         # port): the page resumes the same session there
-        await server.drain(5)
         config.port = server.port
+        await server.drain(5)
         server = StreamgrokServer(tiny_loaded, config, cache)
         await server.start()
         await tools.wait_for("document.getElementById('events').textContent"
