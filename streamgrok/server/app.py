@@ -299,14 +299,22 @@ class StreamgrokServer:
         return saved
 
     async def _sweep_detached(self) -> None:
-        """End detached sessions whose resume time ran out (checked every second)."""
+        """End detached sessions whose resume time ran out (checked every second), and
+        delete saved ones past it in `--state-dir` (every minute: replicas sharing the
+        folder may have left sessions nobody resumed)."""
+        tick = min(1.0, self.shelf.ttl_s)
+        last_cleanup = time.monotonic()
         while True:
-            await asyncio.sleep(min(1.0, self.shelf.ttl_s))
+            await asyncio.sleep(tick)
             for connection in self.shelf.expired(time.monotonic()):
                 try:
                     await connection.expire("expired")
                 except Exception:
                     log.exception("ending an expired session failed")
+            if self.store is not None and time.monotonic() - last_cleanup >= 60.0:
+                last_cleanup = time.monotonic()
+                await asyncio.to_thread(self.store.remove_expired, self.shelf.ttl_s,
+                                        time.time())
 
     def attached_sessions(self) -> int:
         """Sessions with a client now (what the load governor weighs: a detached session
