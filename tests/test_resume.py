@@ -17,8 +17,8 @@ PIPELINE = "pipelines/live_qa.py"
 
 
 def config(**fields) -> ServerConfig:
-    return ServerConfig(PIPELINE, port=0, pipeline_options={"transcribe": "false"},
-                        stats_interval_s=0.2, load_tick_s=None, **fields)
+    fields.setdefault("pipeline_options", {"transcribe": "false"})
+    return ServerConfig(PIPELINE, port=0, stats_interval_s=0.2, load_tick_s=None, **fields)
 
 
 @pytest.fixture
@@ -236,3 +236,26 @@ async def test_sessions_resume_on_another_process_from_the_state_directory(tiny_
             error, _ = await recv_until(ws, "error")
             assert error["code"] == "resume_expired" and "KV format" in error["message"]
         assert len(list((tmp_path / "state").glob("*.json"))) == 1  # left on disk
+
+
+async def test_a_client_bounds_its_context_below_the_servers_budget(tiny_loaded):
+    stream = {"transcribe": "false", "answer_context": "stream"}  # text joins the KV stream
+    async with running(tiny_loaded, pipeline_options=stream) as server, \
+            connect(url(server)) as ws:
+        await ws.send(json.dumps({"type": "session.start", "context": {"target_tokens": 2}}))
+        error, _ = await recv_until(ws, "error")
+        assert error["code"] == "bad_field" and "target_tokens" in error["message"]
+        await ws.send(json.dumps({"type": "session.start",
+                                  "context": {"target_tokens": 256, "trigger_tokens": 300}}))
+        started, _ = await recv_until(ws, "session.started")
+        assert started["context"]["target_tokens"] == 256
+        assert started["context"]["trigger_tokens"] == 300
+        for i in range(8):
+            await ws.send(json.dumps({"type": "input.text", "text": f"note {i} " * 30}))
+        for _ in range(50):  # the stream grows past the trigger; layers come back to target
+            stats, _ = await recv_until(ws, "stats")
+            if stats["evicted_tokens"] > 0 and not server.engine.snapshot()["queue_tokens"].get(
+                    started["session_id"]):
+                break
+        assert stats["evicted_tokens"] > 0
+        assert max(stats["kv"]["layer_tokens"]) <= 300  # the server's budget is 512

@@ -66,6 +66,10 @@ class SequenceState:
     # unit CLIP embeddings of the frames still cached, by source: frame-aware eviction
     # drops a frame a newer one repeats first (see policies.frame_novelty)
     frame_embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
+    # a client's own context bounds (see `PagedKVCache.set_context`): each layer kept to at
+    # most `context_target` tokens, evicted once past it by `context_slack`
+    context_target: int | None = None
+    context_slack: int | None = None
 
     def index_frame(self, source: int, embedding: torch.Tensor) -> None:
         """Keep a cached frame's CLIP embedding (its index) for frame-aware eviction."""
@@ -303,7 +307,7 @@ class PagedKVCache:
         return SequenceSnapshot(
             snapshot_layers(seq.layers, self.parked[seq_id]), seq.stream_pos, seq.next_group,
             seq.last_frame_source, seq.pinned, list(seq.budget_bonus),
-            dict(seq.frame_embeddings))
+            dict(seq.frame_embeddings), seq.context_target, seq.context_slack)
 
     @torch.inference_mode()
     def import_sequence(self, seq_id: int, snapshot: SequenceSnapshot) -> None:
@@ -320,12 +324,39 @@ class PagedKVCache:
         seq = SequenceState(seq_id, layers, snapshot.stream_pos, snapshot.next_group,
                             snapshot.last_frame_source, snapshot.pinned,
                             budget_bonus=list(snapshot.budget_bonus),
-                            frame_embeddings=dict(snapshot.frame_embeddings))
+                            frame_embeddings=dict(snapshot.frame_embeddings),
+                            context_target=snapshot.context_target,
+                            context_slack=snapshot.context_slack)
         self.sequences[seq_id] = seq
         if self.tier is not None:
             self.tier.add_sequence(seq_id, len(layers))
             seq.tier_source = seq_id
         self.parked[seq_id] = ParkedKV([layer.entries for layer in snapshot.layers])
+
+    def set_context(self, seq_id: int, target: int, trigger: int) -> None:
+        """Keep a sequence's layers to at most `target` tokens (within their budgets),
+        evicting once one holds more than `trigger` (see `context_bounds`)."""
+        seq = self.sequences[seq_id]
+        seq.context_target, seq.context_slack = target, trigger - target
+
+    def context_bounds(self, target: int | None, trigger: int | None,
+                       pinned: int) -> tuple[int, int]:
+        """A client's (target, trigger) checked against this cache: target within
+        [pinned prefix + 4 pages, smallest layer budget], trigger within [target, target +
+        the budget]; a missing one takes the server's. ValueError says what is wrong."""
+        budget = self.min_budget()
+        if budget is None:
+            raise ValueError("this server's KV cache never evicts (--kv-policy full): its "
+                             "context has no target to set")
+        floor = max(pinned, self.config.sink_tokens) + 4 * self.config.page_size
+        target = budget if target is None else target
+        if not floor <= target <= budget:
+            raise ValueError(f"context.target_tokens must be in [{floor}, {budget}] (the "
+                             "system prompt and a few pages, up to the server's budget)")
+        trigger = target + self.config.slack if trigger is None else trigger
+        if not target <= trigger <= target + budget:
+            raise ValueError(f"context.trigger_tokens must be in [{target}, {target + budget}]")
+        return target, trigger
 
     def pages_to_unpark(self, seq_id: int) -> int:
         """Pages `unpark(seq_id)` would take (0 when it is not parked)."""
@@ -565,9 +596,12 @@ class PagedKVCache:
 
     def _evict_sequence(self, seq: SequenceState, force: bool) -> int:
         evicted = 0
+        slack = self.config.slack if seq.context_slack is None else seq.context_slack
         for index, (rec, budget) in enumerate(zip(seq.layers, self.budgets)):
+            if seq.context_target is not None:
+                budget = min(budget, seq.context_target)
             budget += seq.budget_bonus[index]
-            limit = budget if force else budget + self.config.slack
+            limit = budget if force else budget + slack
             if rec.length <= limit:
                 continue
             self.stats.demoted_tokens += demote_protected(rec, budget, seq.pinned,

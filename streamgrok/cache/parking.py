@@ -79,6 +79,8 @@ class SequenceSnapshot:
     pinned: int
     budget_bonus: list[int]
     frame_embeddings: dict[int, torch.Tensor]
+    context_target: int | None = None
+    context_slack: int | None = None
 
 
 def snapshot_layers(layers: list[LayerTokens], parked: ParkedKV) -> list[LayerSnapshot]:

@@ -51,6 +51,15 @@ class UnparkSession:
 
 
 @dataclass(frozen=True)
+class SetContext:
+    """Bound the session's context: (target, trigger) tokens per layer."""
+
+    state: SessionState
+    target: int
+    trigger: int
+
+
+@dataclass(frozen=True)
 class RestoreSession:
     """Start the session's sequence from a snapshot, parked."""
 

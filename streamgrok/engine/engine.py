@@ -31,6 +31,7 @@ from streamgrok.engine.commands import (
     ParkSession,
     RestoreSession,
     SessionInfo,
+    SetContext,
     UnparkSession,
 )
 from streamgrok.engine.config import EngineConfig
@@ -181,8 +182,20 @@ class Engine:
         first `unpark` brings its KV into pages. A snapshot that does not fit this model's
         cache ends the session with the reason (`Session` calls then raise)."""
         session, state = self._session(system_prompt)
+        if snapshot.context_target is not None:
+            state.context = (snapshot.context_target,
+                             snapshot.context_target + (snapshot.context_slack or 0))
         self._command(RestoreSession(state, snapshot))
         return session
+
+    def set_context(self, state: SessionState, target: int | None,
+                    trigger: int | None) -> None:
+        """Bound a session's context below the server's budget: each layer is cut back to
+        `target` tokens once it holds more than `trigger` (None: the server's). ValueError
+        when they do not fit this cache (see `PagedKVCache.context_bounds`)."""
+        target, trigger = self.cache.context_bounds(target, trigger, len(state.system_tokens))
+        state.context = (target, trigger)
+        self._command(SetContext(state, target, trigger))
 
     async def export_session(self, state: SessionState) -> SequenceSnapshot:
         """A snapshot of a parked session's sequence (records and KV entries, not its host
@@ -317,12 +330,14 @@ class Engine:
         config = self.cache.config
         budget = self.cache.min_budget()
         tier = getattr(self.cache, "tier", None)
+        target, trigger = session.context or (budget, None if budget is None
+                                              else budget + config.slack)
         return {
             "policy": config.policy,
             "pinned_tokens": len(session.system_tokens),
             "protected_limit_tokens": self.protected_limit(),
-            "target_tokens": budget,
-            "trigger_tokens": None if budget is None else budget + config.slack,
+            "target_tokens": target,
+            "trigger_tokens": trigger,
             "host_tier_bytes": None if tier is None else tier.capacity_pages * tier.page_bytes,
             "positions": "cache-relative",
         }
@@ -434,6 +449,9 @@ class Engine:
                     error = self.scheduler.unpark(state)
                     self.scheduler.outputs.wake(
                         lambda done=done, error=error: _resolve(done, error=error))
+                case SetContext(state, target, trigger):
+                    if state.seq_id in self.cache.sequences:
+                        self.cache.set_context(state.seq_id, target, trigger)
                 case RestoreSession(state, snapshot):
                     self.scheduler.restore(state, snapshot)
                 case ExportSession(state, done):

@@ -202,6 +202,11 @@ class Session:
         return self._engine.submit_question(self._state, question, sampling, raw, remember,
                                             add_bos, answer_prefix, own_context)
 
+    def set_context(self, target: int | None, trigger: int | None = None) -> None:
+        """Bound this session's context (see `Engine.set_context`)."""
+        self._check_open()
+        self._engine.set_context(self._state, target, trigger)
+
     def context_policy(self) -> dict:
         """What this session's context keeps (see `Engine.context_policy`)."""
         return self._engine.context_policy(self._state)

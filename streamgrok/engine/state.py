@@ -57,6 +57,7 @@ class SessionState:
     prefix_published: bool = False
     closing: bool = False
     error: str | None = None  # why the engine ended the session, if it failed
+    context: tuple[int, int] | None = None  # a client's (target, trigger) tokens, if set
     parked: bool = False  # its KV waits in host memory; nothing of it is scheduled
     park_waiters: list[Callable[[int], None]] = field(default_factory=list)  # park requested:
     # called on the event loop with the parked bytes (0: the park was called off)

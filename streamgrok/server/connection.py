@@ -233,9 +233,17 @@ class ClientConnection(SessionResumption):
     async def _start(self, message: dict) -> None:
         if self.runner is not None:
             raise ProtocolError("session_exists", "session.start sent twice", message.get("id"))
+        context = _context_field(message)
         await self.server.media_models()
         await self.server.make_room()
         self.open_session(message.get("options"), message.get("id"))
+        if context is not None:
+            try:
+                self.runner.session.set_context(context.get("target_tokens"),
+                                                context.get("trigger_tokens"))
+            except ValueError as exc:
+                await self._end_session()
+                raise ProtocolError("bad_field", str(exc), message.get("id")) from None
         self.tasks.append(asyncio.create_task(self._stats_loop()))
         if self.resumable and self.server.shelf.enabled:
             self.resume_handle, self.resume_key = self.server.shelf.issue(self,
@@ -584,6 +592,21 @@ class ClientConnection(SessionResumption):
             await runner.session.close()
         self.server.active_sessions -= 1
         self.server.metrics.sessions.set(self.server.active_sessions)
+
+
+def _context_field(message: dict) -> dict | None:
+    """`session.start`'s optional `context` ({target_tokens, trigger_tokens}, integers)."""
+    context = message.get("context")
+    if context is None:
+        return None
+    if not isinstance(context, dict) or set(context) - {"target_tokens", "trigger_tokens"}:
+        raise ProtocolError("bad_field", "context must be an object with target_tokens and/or "
+                            "trigger_tokens", message.get("id"))
+    for name, value in context.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ProtocolError("bad_field", f"context.{name} must be an integer",
+                                message.get("id"))
+    return context
 
 
 def _query_id(event: DeltaEvent | DoneEvent | ErrorEvent) -> Any:

@@ -144,7 +144,9 @@ def _tensors(snapshot: SequenceSnapshot) -> tuple[dict[str, torch.Tensor], dict]
               "stream_pos": snapshot.stream_pos, "next_group": snapshot.next_group,
               "last_frame_source": snapshot.last_frame_source, "pinned": snapshot.pinned,
               "budget_bonus": snapshot.budget_bonus,
-              "frames": sorted(snapshot.frame_embeddings)}
+              "frames": sorted(snapshot.frame_embeddings),
+              "context_target": snapshot.context_target,
+              "context_slack": snapshot.context_slack}
     return tensors, layout
 
 
@@ -156,7 +158,8 @@ def _snapshot(tensors: dict[str, torch.Tensor], layout: dict) -> SequenceSnapsho
     frames = {int(source): tensors[f"frame.{source}"] for source in layout["frames"]}
     return SequenceSnapshot(layers, int(layout["stream_pos"]), int(layout["next_group"]),
                             layout["last_frame_source"], int(layout["pinned"]),
-                            [int(b) for b in layout["budget_bonus"]], frames)
+                            [int(b) for b in layout["budget_bonus"]], frames,
+                            layout.get("context_target"), layout.get("context_slack"))
 
 
 def _is_key(key: str) -> bool:
