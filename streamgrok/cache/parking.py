@@ -34,7 +34,7 @@ def park_layers(pool: PagePool, layers: list[LayerTokens]) -> ParkedKV:
     stored = []
     for rec in layers:
         entries = pool.gather_raw(rec.slots().to(pool.paged_kv().k.device))
-        stored.append(tuple(t.to("cpu", copy=True) for t in entries))
+        stored.append(tuple(t.to("cpu") for t in entries))  # gathered: already a copy
     released = []
     for rec in layers:  # only after every copy: a failure above leaves the pages in place
         pool.release(rec.pages)

@@ -111,6 +111,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._memory_freed = False  # a session closed since the heap was last trimmed
+        self._parks_trimmed = 0  # sessions parked when the heap was last trimmed
 
     @property
     def stats(self) -> EngineStats:
@@ -415,8 +416,10 @@ class Engine:
         self._apply_commands()
         plan = self.scheduler.schedule()
         if plan.empty:
-            if self._memory_freed:  # sessions left and nothing runs: give the memory back
-                self._memory_freed = False
+            parks = self.scheduler.stats.parks
+            if self._memory_freed or parks != self._parks_trimmed:
+                # sessions left or parked, and nothing runs: give the memory back
+                self._memory_freed, self._parks_trimmed = False, parks
                 release_free_memory()
             return True
         if idle and self.config.merge_window_s > 0:

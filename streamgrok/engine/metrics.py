@@ -74,6 +74,7 @@ class EngineStats:
     answers_failed: int = 0
     dropped: Counter = field(default_factory=Counter)  # closed sessions and failed steps
     unprotected_tokens: int = 0
+    parks: int = 0  # sessions whose KV was parked in host memory
     recall_limited: int = 0  # answers whose recall the trained context or free pages cut short
     hit_rates: deque = field(default_factory=lambda: deque(maxlen=256))  # recent answers
     errors: int = 0

@@ -148,6 +148,7 @@ class Scheduler:
                 continue
             parked = self.cache.park(state.seq_id)
             state.parked = True
+            self.stats.parks += 1
             waiters, state.park_waiters = state.park_waiters, []
             for reply in waiters:
                 self.outputs.wake(lambda reply=reply, parked=parked: reply(parked))
