@@ -238,7 +238,6 @@ class StreamgrokServer:
             self._sweeping = asyncio.create_task(self._sweep_detached())
         if self.loaded is not None:
             self._start_engine()
-            await self._restore_sessions()
 
     def state_identity(self) -> dict:
         """What saved sessions must match to be restored: the model and the KV format."""
@@ -249,17 +248,6 @@ class StreamgrokServer:
                 "layers": model.num_layers, "kv_heads": model.num_kv_heads,
                 "head_dim": model.head_dim, "vocab": model.vocab_size,
                 "kv_dtype": cache.kv_dtype, "page_size": cache.page_size}
-
-    async def _restore_sessions(self) -> None:
-        """Forget saved sessions whose resume time ran out (the others are restored when
-        their clients resume them, see `restore_saved`)."""
-        if self.store is None:
-            return
-        removed = await asyncio.to_thread(self.store.remove_expired, self.shelf.ttl_s,
-                                          time.time())
-        if removed:
-            log.info("%d saved sessions had expired: removed from %s", removed,
-                     self.config.state_dir)
 
     async def restore_saved(self, handle: object) -> None:
         """A resume for a handle this process does not hold: the session saved under it
@@ -300,10 +288,11 @@ class StreamgrokServer:
 
     async def _sweep_detached(self) -> None:
         """End detached sessions whose resume time ran out (checked every second), and
-        delete saved ones past it in `--state-dir` (every minute: replicas sharing the
-        folder may have left sessions nobody resumed)."""
+        delete saved ones past it in `--state-dir` (once the engine runs, then every minute:
+        replicas sharing the folder may leave sessions nobody resumes; the others are
+        restored when their clients resume them, see `restore_saved`)."""
         tick = min(1.0, self.shelf.ttl_s)
-        last_cleanup = time.monotonic()
+        last_cleanup = float("-inf")
         while True:
             await asyncio.sleep(tick)
             for connection in self.shelf.expired(time.monotonic()):
@@ -313,8 +302,11 @@ class StreamgrokServer:
                     log.exception("ending an expired session failed")
             if self.store is not None and time.monotonic() - last_cleanup >= 60.0:
                 last_cleanup = time.monotonic()
-                await asyncio.to_thread(self.store.remove_expired, self.shelf.ttl_s,
-                                        time.time())
+                removed = await asyncio.to_thread(self.store.remove_expired,
+                                                  self.shelf.ttl_s, time.time())
+                if removed:
+                    log.info("%d saved sessions had expired: removed from %s", removed,
+                             self.config.state_dir)
 
     def attached_sessions(self) -> int:
         """Sessions with a client now (what the load governor weighs: a detached session
@@ -339,7 +331,6 @@ class StreamgrokServer:
         200)."""
         await asyncio.to_thread(self._prepare, loaded)
         self._start_engine()
-        await self._restore_sessions()
 
     def _start_engine(self) -> None:
         self.engine = Engine(self.loaded, self.cache_config, self.engine_config, self.kv_group)
