@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import time
@@ -69,11 +70,8 @@ def steady_host_allocator(limit: int = HEAP_LIMIT_BYTES) -> bool:
     fresh mmap that page-faults on first touch: a SmolLM2 decode step at 4k cached tokens then
     takes 2.5x as long (260 ms instead of 105 ms) depending on what ran before. Fixed
     thresholds make it steady. Returns False where the C library is not glibc."""
-    path = ctypes.util.find_library("c")
-    if path is None:
-        return False
-    libc = ctypes.CDLL(path)
-    if not hasattr(libc, "mallopt"):
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, limit)) and bool(
         libc.mallopt(_M_TRIM_THRESHOLD, 2 * limit))
@@ -83,8 +81,7 @@ def release_free_memory() -> bool:
     """Give the C heap's free memory back to the system (glibc malloc_trim), which the
     steady thresholds above otherwise keep for the next steps: call it when work has left
     (sessions closed), not between steps. Returns False where the C library is not glibc."""
-    path = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(path) if path else None
+    libc = _libc()
     if libc is None or not hasattr(libc, "malloc_trim"):
         return False
     libc.malloc_trim(0)
@@ -94,17 +91,27 @@ def release_free_memory() -> bool:
 MADV_DONTNEED = 4  # Linux
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once (finding it runs `ldconfig`): None where there is none."""
+    path = ctypes.util.find_library("c")
+    if path is None:
+        return None
+    libc = ctypes.CDLL(path, use_errno=True)
+    if hasattr(libc, "madvise"):
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
 def discard_rows(tensor: torch.Tensor, runs: list[tuple[int, int]]) -> int:
     """Give the system back the memory of rows [start, stop) of each run of a CPU tensor
     (madvise MADV_DONTNEED on the whole OS pages inside them; the rows then read as zeros
     and are committed again when written). For storage that is zeroed before reuse anyway,
     like freed KV pages. Returns the bytes given back (0 off Linux or on another device)."""
-    path = ctypes.util.find_library("c")
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not path \
+    libc = _libc()
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or libc is None \
             or not os.uname().sysname == "Linux":
         return 0
-    libc = ctypes.CDLL(path, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
     row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
     base = tensor.data_ptr()
