@@ -41,38 +41,35 @@ def build_app(server: StreamgrokServer) -> Starlette:
                 if api_shaped else PlainTextResponse("unauthorized\n", 401)
         return None
 
-    async def websocket_gate(websocket: WebSocket) -> bool:
-        """Origin, API key and readiness for a websocket; refuses with an HTTP status."""
+    async def websocket_gate(websocket: WebSocket) -> AsgiSocket | None:
+        """Origin, API key and readiness for a websocket: the accepted socket (with the key
+        it came with and its resume request), or None after refusing with an HTTP status."""
         status, text = 0, ""
+        principal = access.principal(websocket.headers, websocket.query_params)
         if not access.origin_allowed(websocket.headers):
             status, text = 403, "origin not allowed\n"
-        elif not access.authorized(websocket.headers, websocket.query_params):
+        elif principal is None:
             status, text = 401, "unauthorized\n"
         elif not server.ready or not server.accepting:
             status, text = 503, "the model is loading\n" if not server.ready \
                 else "shutting down\n"
         if status:
             await websocket.send_denial_response(PlainTextResponse(text, status))
-            return False
-        return True
-
-    def socket(websocket: WebSocket) -> AsgiSocket:
-        principal = access.principal(websocket.headers, websocket.query_params)
+            return None
+        await websocket.accept()
         resume = (websocket.headers.get("x-streamgrok-resume")
                   or websocket.query_params.get("resume"))
         asked = (websocket.headers.get("x-streamgrok-resumable")
                  or websocket.query_params.get("resumable") or "").lower()
-        return AsgiSocket(websocket, principal or "", resume, asked in ("1", "true"))
+        return AsgiSocket(websocket, principal, resume, asked in ("1", "true"))
 
     async def protocol_v1(websocket: WebSocket) -> None:
-        if await websocket_gate(websocket):
-            await websocket.accept()
-            await server.serve_websocket(socket(websocket))
+        if (socket := await websocket_gate(websocket)) is not None:
+            await server.serve_websocket(socket)
 
     async def realtime(websocket: WebSocket) -> None:
-        if await websocket_gate(websocket):
-            await websocket.accept()
-            await server.serve_websocket(socket(websocket), RealtimeConnection)
+        if (socket := await websocket_gate(websocket)) is not None:
+            await server.serve_websocket(socket, RealtimeConnection)
 
     async def health(request: Request) -> Response:
         if not server.ready:
