@@ -150,16 +150,7 @@ def write_gguf(
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    tokens = byte_vocab() + list(extra_specials)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    specials = {*SPECIALS, *extra_specials}
-    writer.add_token_types([3 if t in specials else 1 for t in tokens])
-    writer.add_token_merges(byte_merges())
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_chat_template(CHAT_TEMPLATE)
+    add_byte_tokenizer(writer, extra_specials)
     inverse = {v: k for k, v in _GLOBAL_NAMES.items()}
     inverse_layer = {v: k for k, v in _LAYER_NAMES.items()}
     for name, tensor in model.state_dict().items():
@@ -187,6 +178,21 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def add_byte_tokenizer(writer: gguf.GGUFWriter, extra_specials: tuple[str, ...] = ()) -> None:
+    """The tiny byte-level BPE (`byte_vocab()`, then `extra_specials`) and the chat
+    template, as GGUF metadata."""
+    tokens = byte_vocab() + list(extra_specials)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    specials = {*SPECIALS, *extra_specials}
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges(byte_merges())
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
 
 
 def byte_tokenizer() -> HFTokenizer:

@@ -213,8 +213,9 @@ class CompiledDecode:
     def wants(self, model: Transformer, input_ids: torch.Tensor, batch: BatchMetadata,
               backend: object) -> bool:
         """Whether this step is of the compiled kind (checked before the backend prepares
-        it): a CPU decode step of token ids on a backend that gives decode views."""
-        return (self.enabled and batch.is_decode and batch.embed_rows is None
+        it): a CPU decode step of token ids on a backend that gives decode views, of a
+        model without experts (their token grouping depends on the routing's values)."""
+        return (self.enabled and model.config.moe is None and batch.is_decode and batch.embed_rows is None
                 and input_ids.device.type == "cpu" and hasattr(backend, "decode_view")
                 and model.kernels.backend != "triton")
 

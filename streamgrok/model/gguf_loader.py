@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from streamgrok.errors import ModelLoadError, UnsupportedArchitecture, UnsupportedQuantization
-from streamgrok.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from streamgrok.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, MoEConfig, RopeScaling
 
 SUPPORTED_TYPES = frozenset(
     {
@@ -45,7 +45,27 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "ffn.w_gate.weight",
     "ffn_up.weight": "ffn.w_up.weight",
     "ffn_down.weight": "ffn.w_down.weight",
+    "attn_q_norm.weight": "attn.q_norm.weight",
+    "attn_k_norm.weight": "attn.k_norm.weight",
+    "ffn_gate_inp.weight": "ffn.router.weight",
+    "ffn_gate_shexp.weight": "ffn.shared.w_gate.weight",
+    "ffn_up_shexp.weight": "ffn.shared.w_up.weight",
+    "ffn_down_shexp.weight": "ffn.shared.w_down.weight",
+    "ffn_gate_inp_shexp.weight": "ffn.shared_gate.weight",
 }
+# a layer's experts, one 3-D tensor [experts, out, in] each, read one expert at a time
+_EXPERT_STACKS = {
+    "ffn_gate_exps.weight": "w_gate",
+    "ffn_up_exps.weight": "w_up",
+    "ffn_down_exps.weight": "w_down",
+}
+# GGUF architecture names -> ours (a Llama GGUF with experts is a Mixtral)
+_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
+                  "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# whether the chosen experts' weights are renormalised, as llama.cpp does for each
+# architecture (a GGUF does not record it)
+_NORMALIZED_EXPERT_WEIGHTS = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True,
+                              "olmoe": False}
 _GLOBAL_NAMES = {
     "token_embd.weight": "embed.weight",
     "output_norm.weight": "norm.weight",
@@ -55,7 +75,7 @@ DEQUANTIZE_BLOCK_BYTES = 1 << 20  # quantized bytes dequantized at a time
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 # Architectures whose GGUF converter permutes q/k rows for adjacent-pair rotary.
-_PERMUTED_ROTARY = frozenset({"llama", "mistral"})
+_PERMUTED_ROTARY = frozenset({"llama", "mistral", "mixtral"})
 
 
 @dataclass
@@ -103,10 +123,10 @@ def _field_value(field: Any) -> Any:
 
 def _config_from_metadata(meta: dict[str, Any], reader: GGUFReader, path: Path) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in _ARCHITECTURES:
         raise UnsupportedArchitecture(
             f"{path}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"(supported: {', '.join(_ARCHITECTURES)})"
         )
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ModelLoadError(
@@ -122,17 +142,27 @@ def _config_from_metadata(meta: dict[str, Any], reader: GGUFReader, path: Path) 
 
     num_heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
+    num_layers = int(key("block_count"))
     tensor_names = {t.name for t in reader.tensors}
     scaling = RopeScaling()
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor")))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    ours = _ARCHITECTURES[arch]
+    moe = None
+    if int(meta.get(f"{arch}.expert_count") or 0):
+        ours = "mixtral" if ours in ("llama", "mistral") else ours
+        moe = _moe_config(ours, key, num_layers, tensor_names)
+    elif ours not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: a {arch} GGUF without experts (expert_count)")
+    clip = meta.get(f"{arch}.attention.clamp_kqv")
     return ModelConfig(
-        architecture=arch,
+        architecture=ours,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        intermediate_size=int(key("feed_forward_length",
+                                  moe.expert_intermediate_size if moe else None)),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(key("attention.head_count_kv", num_heads)),
         head_dim=int(key("attention.key_length", hidden // num_heads)),
@@ -142,6 +172,29 @@ def _config_from_metadata(meta: dict[str, Any], reader: GGUFReader, path: Path) 
         tie_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         max_positions=int(key("context_length", 8192)),
+        moe=moe,
+        qk_norm=("none" if "blk.0.attn_q_norm.weight" not in tensor_names
+                 else "projection" if ours == "olmoe" else "head"),
+        clip_qkv=float(clip) if clip else None,
+    )
+
+
+def _moe_config(arch: str, key: Callable[..., Any], num_layers: int,
+                tensor_names: set[str]) -> MoEConfig:
+    """The experts of a GGUF (llama.cpp's keys); a layer without a router is dense."""
+    shared = int(key("expert_shared_feed_forward_length", 0))
+    if shared == 0 and "blk.0.ffn_gate_shexp.weight" in tensor_names:
+        raise ModelLoadError("GGUF metadata lacks expert_shared_feed_forward_length")
+    return MoEConfig(
+        num_experts=int(key("expert_count")),
+        experts_per_token=int(key("expert_used_count")),
+        expert_intermediate_size=int(key("expert_feed_forward_length",
+                                         key("feed_forward_length", 0))),
+        normalize_weights=_NORMALIZED_EXPERT_WEIGHTS[arch],
+        shared_intermediate_size=shared,
+        shared_gated="blk.0.ffn_gate_inp_shexp.weight" in tensor_names,
+        dense_layers=tuple(i for i in range(num_layers)
+                           if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names),
     )
 
 
@@ -158,9 +211,18 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def iter_state_dict(
     contents: GGUFContents, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (parameter name, tensor) pairs, dequantized one tensor at a time."""
+    """Yield (parameter name, tensor) pairs, dequantized one tensor (one expert) at a
+    time."""
     config = contents.config
     for tensor in contents.reader.tensors:
+        match = _LAYER_RE.fullmatch(tensor.name)
+        if match and match.group(2) in _EXPERT_STACKS:
+            part = _EXPERT_STACKS[match.group(2)]
+            for expert in range(int(tensor.shape[-1])):
+                name = f"layers.{match.group(1)}.ffn.experts.{expert}.{part}.weight"
+                array = tensor_array(tensor, contents.path, expert)
+                yield name, torch.from_numpy(writable_float32(array)).to(dtype)
+            continue
         name = _parameter_name(tensor.name)
         if name is None:
             continue
@@ -170,11 +232,14 @@ def iter_state_dict(
                 array = unpermute_rotary(array, config.num_heads)
             elif name.endswith(("attn.wk.weight", "attn.wk.bias")):
                 array = unpermute_rotary(array, config.num_kv_heads)
+        if name.endswith("shared_gate.weight"):
+            array = array.reshape(1, -1)  # stored as a vector [hidden]
         yield name, torch.from_numpy(writable_float32(array)).to(dtype)
 
 
-def tensor_array(tensor: Any, path: Path) -> np.ndarray:
-    """One GGUF tensor dequantized to a numpy array (its type checked, errors naming it)."""
+def tensor_array(tensor: Any, path: Path, index: int | None = None) -> np.ndarray:
+    """One GGUF tensor dequantized to a numpy array (its type checked, errors naming it);
+    with `index`, only that slice of its first dimension (one expert of a stack)."""
     qtype = GGMLQuantizationType(tensor.tensor_type)
     if qtype not in SUPPORTED_TYPES:
         raise UnsupportedQuantization(
@@ -183,7 +248,8 @@ def tensor_array(tensor: Any, path: Path) -> np.ndarray:
             f"{', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
         )
     try:
-        return _dequantized_by_rows(tensor.data, qtype)
+        return _dequantized_by_rows(tensor.data if index is None else tensor.data[index],
+                                    qtype)
     except Exception as exc:
         raise ModelLoadError(
             f"{path}: tensor {tensor.name} could not be read (truncated or corrupt file): {exc}"

@@ -12,12 +12,16 @@ import torch
 from safetensors import safe_open
 
 from streamgrok.errors import ModelLoadError, UnsupportedArchitecture
-from streamgrok.model.config import ModelConfig, RopeScaling
+from streamgrok.model.config import ModelConfig, MoEConfig, RopeScaling
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -32,7 +36,21 @@ _LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn.w_gate.weight",
     "mlp.up_proj.weight": "ffn.w_up.weight",
     "mlp.down_proj.weight": "ffn.w_down.weight",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
+    "mlp.gate.weight": "ffn.router.weight",
+    "block_sparse_moe.gate.weight": "ffn.router.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn.shared.w_gate.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn.shared.w_up.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn.shared.w_down.weight",
+    "mlp.shared_expert_gate.weight": "ffn.shared_gate.weight",
+    # experts as one 3-D tensor each (transformers 5's layout): split per expert as read
+    "mlp.experts.gate_up_proj": "ffn.experts.gate_up_proj",
+    "mlp.experts.down_proj": "ffn.experts.down_proj",
 }
+_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_NAMES = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down",
+                 "w1": "w_gate", "w3": "w_up", "w2": "w_down"}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
@@ -92,11 +110,38 @@ def config_from_hf(folder: Path, raw: dict[str, Any] | None = None) -> ModelConf
             rope_scaling=_rope_scaling(raw.get("rope_scaling") or rope or None),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", arch == "qwen2")),
+            attention_bias=bool(raw.get("qkv_bias", raw.get("attention_bias",
+                                                            arch in ("qwen2", "qwen2_moe")))),
             max_positions=int(raw.get("max_position_embeddings", 8192)),
+            moe=_moe_config(arch, raw),
+            qk_norm={"qwen3_moe": "head", "olmoe": "projection"}.get(arch, "none"),
+            clip_qkv=float(raw["clip_qkv"]) if raw.get("clip_qkv") is not None else None,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{folder}/config.json lacks {exc.args[0]!r}") from exc
+
+
+def _moe_config(arch: str, raw: dict[str, Any]) -> MoEConfig | None:
+    """The experts of a mixture-of-experts config.json (None for a dense model)."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        return None
+    experts = int(raw.get("num_experts") or raw["num_local_experts"])
+    layers = int(raw["num_hidden_layers"])
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in raw.get("mlp_only_layers") or []}
+    dense |= {i for i in range(layers) if (i + 1) % step}
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0
+    return MoEConfig(
+        num_experts=experts,
+        experts_per_token=int(raw["num_experts_per_tok"]),
+        expert_intermediate_size=int(raw.get("moe_intermediate_size")
+                                     or raw["intermediate_size"]),
+        # Mixtral always renormalises; the others as their config says
+        normalize_weights=arch == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+        shared_intermediate_size=shared,
+        shared_gated=shared > 0,
+        dense_layers=tuple(sorted(dense)),
+    )
 
 
 def _rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
@@ -131,11 +176,27 @@ def iter_hf_state_dict(
                 for key in handle.keys():
                     name = name_of(key)
                     if name is not None:
-                        yield name, handle.get_tensor(key).to(dtype)
+                        yield from split_experts(name, handle.get_tensor(key).to(dtype))
         except ModelLoadError:
             raise
         except Exception as exc:
             raise ModelLoadError(f"{file} could not be read (truncated or corrupt): {exc}") from exc
+
+
+def split_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's experts stored as one tensor [experts, out, in] as one weight per expert
+    (gate and up stacked in `gate_up_proj`, gate first); any other tensor as it is."""
+    layer, _, part = name.rpartition(".experts.")
+    if part == "gate_up_proj":
+        for expert, weight in enumerate(tensor):
+            gate, up = weight.chunk(2, dim=0)
+            yield f"{layer}.experts.{expert}.w_gate.weight", gate.contiguous()
+            yield f"{layer}.experts.{expert}.w_up.weight", up.contiguous()
+    elif part == "down_proj":
+        for expert, weight in enumerate(tensor):
+            yield f"{layer}.experts.{expert}.w_down.weight", weight.contiguous()
+    else:
+        yield name, tensor
 
 
 def renamed(key: str, prefixes: list[tuple[str, str]]) -> str | None:
@@ -151,6 +212,13 @@ def _parameter_name(key: str) -> str | None:
     if key in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[key]
     match = _LAYER_RE.fullmatch(key)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    if match is None:
+        return None
+    layer, rest = match.groups()
+    if rest in _LAYER_NAMES:
+        return f"layers.{layer}.{_LAYER_NAMES[rest]}"
+    expert = _EXPERT_RE.fullmatch(rest)
+    if expert and expert.group(2) in _EXPERT_NAMES:
+        return f"layers.{layer}.ffn.experts.{expert.group(1)}." \
+               f"{_EXPERT_NAMES[expert.group(2)]}.weight"
     return None

@@ -8,59 +8,20 @@ cache, or Triton kernels.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from streamgrok.model.batch import AttentionBackend, BatchMetadata
 from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.config import ModelConfig
+from streamgrok.model.layers import Embedding, FeedForward, Linear, RMSNorm
+from streamgrok.model.moe import MoEFeedForward
 from streamgrok.model.native_decode import PagedNativeDecode
-from streamgrok.model.quantized import swiglu_w8a8
-from streamgrok_kernels import rmsnorm
 from streamgrok_kernels.ops import KernelOps
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` whose weight, on the meta device (a model built before its weights are
-    read), is left uninitialised: PyTorch's random fills of meta tensors are Python refs that
-    import the compiler (dynamo, ~1400 modules, over 100 MB resident) for values that do not
-    exist."""
-
-    def reset_parameters(self) -> None:
-        if self.weight.device.type != "meta":
-            super().reset_parameters()
-
-
-class Embedding(nn.Embedding):
-    """`nn.Embedding` left uninitialised on the meta device, as `Linear`."""
-
-    def reset_parameters(self) -> None:
-        if self.weight.device.type != "meta":
-            super().reset_parameters()
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32, through `ops` (fused on GPU)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, ops: KernelOps | None = None) -> torch.Tensor:
-        return self.with_residual(x, None, ops)[0]
-
-    def with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor | None, ops: KernelOps | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one fused pass."""
-        if ops is None:
-            return rmsnorm.reference(x, self.weight, self.eps, residual)
-        return ops.rms_norm(x, self.weight, self.eps, residual)
-
-
 class Attention(nn.Module):
-    """Grouped-query attention with optional q/k/v bias (Qwen2)."""
+    """Grouped-query attention with optional q/k/v bias (Qwen2), RMSNorm of q and k per head
+    (Qwen3) or of their whole projections (OLMoE), and q/k/v clamping (`clip_qkv`)."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -74,6 +35,15 @@ class Attention(nn.Module):
         self.wv = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.wo = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
         self.wqkv: nn.Module | None = None  # q, k and v in one matmul (see fuse_projections)
+        self.qk_norm = config.qk_norm
+        self.clip = config.clip_qkv
+        self.q_norm = self.k_norm = None
+        if config.qk_norm != "none":
+            per_head = config.qk_norm == "head"
+            self.q_norm = RMSNorm(config.head_dim if per_head else
+                                  config.num_heads * config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim if per_head else
+                                  config.num_kv_heads * config.head_dim, config.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor, batch: BatchMetadata, backend: AttentionBackend
@@ -85,43 +55,32 @@ class Attention(nn.Module):
                  self.num_kv_heads * self.head_dim], dim=-1)
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
         # q and k go unrotated: the backend applies rotary at cache positions
         out = backend.attend(self.layer, q, k, v, batch)
         return self.wo(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.w_gate = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.w_up = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.w_down = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.w_gate_up: nn.Module | None = None  # gate and up in one matmul
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w_gate_up is not None:
-            if (fused := swiglu_w8a8(self.w_gate_up, self.w_down, x)) is not None:
-                return fused
-            gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.w_gate(x), self.w_up(x)
-        return self.w_down(F.silu(gate) * up)
-
-
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block; its feed-forward a SwiGLU MLP or a mixture of experts."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = Attention(config, layer)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = FeedForward(config)
+        moe = config.moe
+        self.ffn: nn.Module = (
+            MoEFeedForward(config.hidden_size, moe) if moe is not None and moe.is_sparse(layer)
+            else FeedForward(config.hidden_size, config.intermediate_size))
 
     def forward(
         self, x: torch.Tensor, batch: BatchMetadata, backend: AttentionBackend, ops: KernelOps
@@ -221,15 +180,15 @@ class Transformer(nn.Module):
 def fuse_projections(model: Transformer) -> Transformer:
     """Concatenate each layer's q/k/v and gate/up weights so each group is one matmul
     (fewer calls and one read of the activations; the same numbers). The separate modules
-    are removed; loading into a fused model is not supported (fuse after loading)."""
-    for block in model.layers:
-        attn, ffn = block.attn, block.ffn
-        if attn.wqkv is None:
-            attn.wqkv = _concatenated([attn.wq, attn.wk, attn.wv])
-            del attn.wq, attn.wk, attn.wv
-        if ffn.w_gate_up is None:
-            ffn.w_gate_up = _concatenated([ffn.w_gate, ffn.w_up])
-            del ffn.w_gate, ffn.w_up
+    are removed; loading into a fused model is not supported (fuse after loading). Every
+    SwiGLU MLP is fused: a dense layer's, each expert's and a shared expert's."""
+    for module in list(model.modules()):
+        if isinstance(module, Attention) and module.wqkv is None:
+            module.wqkv = _concatenated([module.wq, module.wk, module.wv])
+            del module.wq, module.wk, module.wv
+        elif isinstance(module, FeedForward) and module.w_gate_up is None:
+            module.w_gate_up = _concatenated([module.w_gate, module.w_up])
+            del module.w_gate, module.w_up
     return model
 
 
@@ -238,7 +197,7 @@ def _concatenated(parts: list[nn.Linear]) -> nn.Linear:
     has_bias = parts[0].bias is not None
     # built on meta: its own weight (and bias) are replaced at once, never initialised
     fused = Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta",
-                      dtype=weight.dtype)
+                   dtype=weight.dtype)
     fused.weight = nn.Parameter(weight.t().contiguous().t() if weight.device.type == "cpu"
                                 else weight, requires_grad=False)
     if has_bias:

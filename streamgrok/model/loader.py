@@ -15,7 +15,8 @@ from streamgrok.errors import ModelLoadError
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
 from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_json
-from streamgrok.model.llama import Transformer, fuse_projections
+from streamgrok.model.layers import FeedForward
+from streamgrok.model.llama import Attention, Transformer, fuse_projections
 from streamgrok.model.quantized import (
     WEIGHT_FORMATS,
     QuantizedRows,
@@ -87,10 +88,12 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(config)
     quantize = weights in ("q8", "q4", "w8a8")
+    # a router and a shared expert's gate stay in `dtype`: few weights, and an expert
+    # choice a rounding flips changes the token's whole computation
     linears = {f"{name}.weight" for name, module in model.named_modules()
-               if isinstance(module, torch.nn.Linear)}
+               if isinstance(module, torch.nn.Linear) and not _is_gate(name)}
     state: dict[str, torch.Tensor] = {}
-    packed = _PackedAsRead(config.num_layers, fuse, int8_activations=weights == "w8a8")
+    packed = _PackedAsRead(model, fuse, int8_activations=weights == "w8a8")
     rescaled = smoothing.rescaled if smoothing is not None else (lambda _, tensor: tensor)
     embedding: Int8Embedding | None = None
     for index, (name, tensor) in enumerate(tensors):
@@ -140,6 +143,11 @@ def build_model(
     return model.eval().requires_grad_(False)
 
 
+def _is_gate(module_path: str) -> bool:
+    """Whether a linear is a mixture's router or a shared expert's gate."""
+    return module_path.endswith((".router", ".shared_gate"))
+
+
 def _check_shape(model: Transformer, name: str, tensor: torch.Tensor) -> None:
     want = model.get_parameter(name).shape
     if tensor.shape != want:
@@ -152,17 +160,18 @@ class _PackedAsRead:
     been read (q, k and v for a fused `wqkv`; gate and up for `w_gate_up`), so the unpacked
     levels of only a few weights are in memory at once."""
 
-    def __init__(self, num_layers: int, fuse: bool, int8_activations: bool = False) -> None:
+    def __init__(self, model: Transformer, fuse: bool, int8_activations: bool = False) -> None:
         self.int8_activations = int8_activations  # w8a8 layers
         # their activation quantization, native once built (one build for the model)
         self.int8_rows = Int8Rows() if int8_activations else None
         self.int4_matmul = Int4Matmul()  # the int4 layers' native kernel (one build)
         self.parts: dict[str, list[str]] = {}  # fused module path -> the weights it joins
-        if fuse:
-            for i in range(num_layers):
-                attn, ffn = f"layers.{i}.attn", f"layers.{i}.ffn"
-                self.parts[f"{attn}.wqkv"] = [f"{attn}.{p}" for p in ("wq", "wk", "wv")]
-                self.parts[f"{ffn}.w_gate_up"] = [f"{ffn}.w_gate", f"{ffn}.w_up"]
+        if fuse:  # as fuse_projections: every attention's q/k/v, every SwiGLU's gate/up
+            for path, module in model.named_modules():
+                if isinstance(module, Attention):
+                    self.parts[f"{path}.wqkv"] = [f"{path}.{p}" for p in ("wq", "wk", "wv")]
+                elif isinstance(module, FeedForward):
+                    self.parts[f"{path}.w_gate_up"] = [f"{path}.w_gate", f"{path}.w_up"]
         self.fused_into = {part: path for path, parts in self.parts.items() for part in parts}
         self.names: set[str] = set()
         self.waiting: dict[str, QuantizedRows] = {}
@@ -294,6 +303,9 @@ def _built(config: ModelConfig, tensors: Callable[[], Iterable[tuple[str, torch.
     calibration text, then smoothed and quantized to int8 weights and activations."""
     if weights != "w8a8":
         return build_model(config, tensors(), device, weights, fuse)
+    if not config.is_dense_llama:
+        raise ModelLoadError(f"--weights w8a8 is for plain Llama-family models; this "
+                             f"{config.architecture} model takes q8 or q4")
     calibrated = build_model(config, tensors(), device, "q8", fuse, wide_head=False)
     smoothing = smoothing_for(calibrated, calibration_ids(tokenizer.encode))
     del calibrated

@@ -57,7 +57,10 @@ def native_step_fits(model: Transformer, kv_dtype: torch.dtype) -> bool:
     """Whether `model`'s decode steps over a cache of `kv_dtype` can run as `NativeDecodeStep`:
     float32 activations, fused q/k/v and gate/up, every projection int4 on the native kernel
     (built and vectorized: `wait_native_int4` first), the head int4 or weight-only int8 on
-    the native kernels, q/k/v biases at most."""
+    the native kernels, q/k/v biases at most, the plain Llama block (no experts, q/k norms
+    or clipping)."""
+    if not model.config.is_dense_llama:
+        return False
     if kv_dtype not in KV_DTYPES or model.dtype != torch.float32 or \
             model.config.head_dim % 2 or not (_native_int4(model.output)
                                               or _native_int8_head(model.output)):
