@@ -215,7 +215,8 @@ class CompiledDecode:
         """Whether this step is of the compiled kind (checked before the backend prepares
         it): a CPU decode step of token ids on a backend that gives decode views, of a
         model without experts (their token grouping depends on the routing's values)."""
-        return (self.enabled and model.config.moe is None and batch.is_decode and batch.embed_rows is None
+        return (self.enabled and model.config.moe is None and batch.is_decode
+                and batch.embed_rows is None
                 and input_ids.device.type == "cpu" and hasattr(backend, "decode_view")
                 and model.kernels.backend != "triton")
 
