@@ -19,6 +19,7 @@ from streamgrok.cache.kv_group import KVGroup, KVParallelError
 from streamgrok.cache.kv_parallel import KVParallelCache
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.expert_parallel import shard_experts
 from streamgrok.model.llama import Transformer
 from streamgrok.stream_tokens import Modality, TokenInfo
 
@@ -46,6 +47,8 @@ class StreamResult:
     decode_seconds: list[float]
     exchanged_bytes: int  # sent by this rank in collectives, all steps
     decode_exchanged_bytes: int  # of which during the decode steps
+    expert_sent_bytes: int = 0  # hidden rows sent for expert parallelism, all steps
+    weight_bytes: int = 0  # the model's weights this rank holds
 
 
 def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
@@ -113,10 +116,13 @@ def run_single(model: Transformer, scenario: StreamScenario) -> StreamResult:
 
 def run_ranks(world: int, build_model: Callable[[], Transformer], scenario: StreamScenario,
               timeout_s: float = 120.0, fail_rank: int | None = None, failure: str = "exit",
-              threads: int = 1, env: dict[str, str] | None = None) -> list[StreamResult]:
+              threads: int = 1, env: dict[str, str] | None = None,
+              expert_parallel: bool = False) -> list[StreamResult]:
     """The scenario on `world` processes sharing one KV-parallel cache; each rank's result,
-    in rank order. `fail_rank` makes that rank exit ("exit") or stop answering ("stall")
-    before its first step, to test that the others report an error instead of hanging.
+    in rank order; with `expert_parallel` each rank also holds only its block of a
+    mixture's experts (`streamgrok.model.expert_parallel`). `fail_rank` makes that rank
+    exit ("exit") or stop answering ("stall") before its first step, to test that the
+    others report an error instead of hanging.
     With `world` 1 the one process runs a plain `PagedKVCache` (the baseline). `env` is the
     rank processes' environment (default: this one's).
     Raises KVParallelError naming the ranks that failed."""
@@ -125,7 +131,8 @@ def run_ranks(world: int, build_model: Callable[[], Transformer], scenario: Stre
     port = free_port()
     procs = [context.Process(target=_rank_main, daemon=True,
                              args=(rank, world, port, build_model, scenario, results,
-                                   timeout_s, failure if rank == fail_rank else None, threads))
+                                   timeout_s, failure if rank == fail_rank else None, threads,
+                                   expert_parallel))
              for rank in range(world)]
     saved = dict(os.environ)
     try:
@@ -162,7 +169,8 @@ def run_ranks(world: int, build_model: Callable[[], Transformer], scenario: Stre
 
 
 def _rank_main(rank: int, world: int, port: int, build_model, scenario: StreamScenario,
-               results, timeout_s: float, failure: str | None, threads: int) -> None:
+               results, timeout_s: float, failure: str | None, threads: int,
+               expert_parallel: bool) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(threads)
@@ -174,6 +182,7 @@ def _rank_main(rank: int, world: int, port: int, build_model, scenario: StreamSc
         if failure == "stall":
             time.sleep(timeout_s * 10)
         model = build_model()
+        shards = shard_experts(model, group) if expert_parallel else []
         if world == 1:
             result = run_single(model, scenario)
         else:
@@ -181,6 +190,8 @@ def _rank_main(rank: int, world: int, port: int, build_model, scenario: StreamSc
                                     model.device, num_pages=scenario.num_pages,
                                     kernels=model.kernels)
             result = run_stream(model, cache, scenario)
+        result.expert_sent_bytes = sum(shard.sent_bytes for shard in shards)
+        result.weight_bytes = model.weight_bytes()
         # numpy pickles by value: a tensor would go as a shared-memory handle that dies
         # with this process
         result.logits = result.logits.numpy()

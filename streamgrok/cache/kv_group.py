@@ -100,6 +100,23 @@ class KVGroup:
         padded[: tensor.shape[0]] = tensor
         return [part[:n] for part, n in zip(self.all_gather(padded), counts)]
 
+    def all_to_all_rows(self, tensor: torch.Tensor, send_counts: list[int]
+                        ) -> tuple[torch.Tensor, list[int]]:
+        """Send `tensor`'s rows [sum(send_counts), ...] in consecutive runs, `send_counts[r]`
+        rows to rank r; returns the rows received (rank order) and how many came from
+        each rank."""
+        if self.world == 1:
+            return tensor, list(send_counts)
+        sent = torch.tensor(send_counts, dtype=torch.int64)
+        received = torch.empty_like(sent)
+        self._run("all_to_all counts", lambda: dist.all_to_all_single(received, sent))
+        recv_counts = [int(c) for c in received]
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
+        self._run("all_to_all", lambda: dist.all_to_all_single(
+            out, tensor, output_split_sizes=recv_counts, input_split_sizes=list(send_counts)))
+        return out, recv_counts
+
     def failed_ranks(self, ok: bool) -> list[int]:
         """The ranks whose `ok` is False (every rank calls this with its own)."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=self.device)

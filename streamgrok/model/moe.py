@@ -8,7 +8,7 @@ grouped by expert, so each active expert runs one matmul over all the tokens tha
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -53,10 +53,20 @@ def grouped_by_expert(routing: Routing, num_experts: int) -> ExpertGroups:
     return ExpertGroups(order // top_k, routing.weights.reshape(-1)[order], counts)
 
 
+class ExpertDispatch(Protocol):
+    """Runs a layer's routed experts somewhere else (`expert_parallel.ExpertShard`: the
+    experts spread over ranks)."""
+
+    def output(self, ffn: MoEFeedForward, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The layer's whole output for `x` [tokens, hidden] (routed and shared experts)."""
+        ...
+
+
 class MoEFeedForward(nn.Module):
     """Router, experts and (Qwen2-MoE) a gated shared expert. Keeps the last call's routing
     (`last_routing`) and a running count of the tokens each expert has taken
-    (`tokens_per_expert`, on the CPU; None before the first call)."""
+    (`tokens_per_expert`, on the CPU; None before the first call). With a `dispatch` (see
+    `streamgrok.model.expert_parallel`) the experts run where it sends them."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
@@ -72,6 +82,7 @@ class MoEFeedForward(nn.Module):
         self.last_routing: Routing | None = None
         # made on first use: a model is built on the meta device before its weights are read
         self.tokens_per_expert: torch.Tensor | None = None
+        self.dispatch: ExpertDispatch | None = None
 
     @property
     def num_experts(self) -> int:
@@ -80,10 +91,18 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route(self.router(x), self.top_k, self.normalize)
         self.last_routing = routing
-        groups = grouped_by_expert(routing, self.num_experts)
         if self.tokens_per_expert is None:
             self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long)
-        self.tokens_per_expert += torch.tensor(groups.counts)
+        self.tokens_per_expert += torch.bincount(routing.experts.reshape(-1).cpu(),
+                                                 minlength=self.num_experts)
+        if self.dispatch is not None:
+            return self.dispatch.output(self, x, routing)
+        return self.shared_added(x, self.routed_output(x, routing))
+
+    def routed_output(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The chosen experts' outputs summed with their weights, each expert one matmul
+        over its tokens (experts in index order)."""
+        groups = grouped_by_expert(routing, self.num_experts)
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(groups.counts):
@@ -93,9 +112,13 @@ class MoEFeedForward(nn.Module):
             weights = groups.weights[start:start + count, None]
             out.index_add_(0, tokens, (self.experts[expert](x[tokens]) * weights).to(x.dtype))
             start += count
-        if self.shared is not None:
-            shared = self.shared(x)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
-            out = out + shared
         return out
+
+    def shared_added(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """`routed` plus the shared expert's output for `x` (gated), where there is one."""
+        if self.shared is None:
+            return routed
+        shared = self.shared(x)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(x)) * shared
+        return routed + shared
