@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -132,6 +133,10 @@ def _add_serve_command(commands) -> None:
                      help="shard each session's KV cache over this many ranks (KV "
                           "parallelism): start under `torchrun --nproc-per-node N -m "
                           "streamgrok serve --kv-parallel N ...`; rank 0 serves")
+    srv.add_argument("--expert-parallel", action="store_true",
+                     help="with --kv-parallel N and a mixture-of-experts model: each rank "
+                          "holds 1/N of every layer's experts, tokens sent to them by "
+                          "all-to-all")
     srv.add_argument("--kv-parallel-timeout", type=float, default=60.0,
                      help="seconds a KV-parallel collective waits for the other ranks")
     srv.add_argument("--max-inflight-queries", type=int, default=4,
@@ -682,8 +687,28 @@ def _kv_parallel_group(args: argparse.Namespace):
     return KVGroup.from_env(timeout_s=args.kv_parallel_timeout)
 
 
+def _experts_spread(loaded, group):
+    """`loaded` with only this rank's block of each MoE layer's experts (--expert-parallel)."""
+    from streamgrok.errors import StreamgrokError
+    from streamgrok.model.expert_parallel import shard_experts
+
+    if loaded.config.moe is None:
+        raise StreamgrokError(f"--expert-parallel needs a mixture-of-experts model; "
+                              f"{loaded.name} ({loaded.config.architecture}) has no experts")
+    if group.world > loaded.config.moe.num_experts:
+        raise StreamgrokError(f"--expert-parallel over {group.world} ranks needs as many "
+                              f"experts; {loaded.name} has {loaded.config.moe.num_experts}")
+    shards = shard_experts(loaded.model, group)
+    owned = [e for e, owner in enumerate(shards[0].owners) if owner == group.rank]
+    logging.getLogger("streamgrok.expert_parallel").info(
+        "rank %d of %d holds experts %d-%d of %d in each of %d layers", group.rank,
+        group.world, owned[0], owned[-1], len(shards[0].owners), len(shards))
+    return loaded
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from streamgrok.engine.config import EngineConfig
+    from streamgrok.errors import StreamgrokError
     from streamgrok.logs import configure_logging
     from streamgrok.run import parse_options
     from streamgrok.server.app import ServerConfig, serve_forever
@@ -706,13 +731,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           nano_batches=args.nano_batches,
                           small_step_threads=args.small_step_threads)
     group = _kv_parallel_group(args)
+    if args.expert_parallel and group is None:
+        raise StreamgrokError("--expert-parallel spreads experts over the --kv-parallel "
+                              "ranks: give --kv-parallel N (N > 1) too")
+
+    def load():
+        loaded = _load(args)
+        return _experts_spread(loaded, group) if args.expert_parallel else loaded
+
     if group is not None and group.rank > 0:
         from streamgrok.engine.kv_leader import follow
 
-        follow(_load(args), cache, group)
+        follow(load(), cache, group)
         return 0
     try:
-        _event_loop_runner()(serve_forever(lambda: _load(args), config, cache, engine, group))
+        _event_loop_runner()(serve_forever(load, config, cache, engine, group))
     except KeyboardInterrupt:
         pass
     return 0

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -305,3 +307,37 @@ def run_script(script: Path, env: dict[str, str], *args: str
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def torchrun_launcher(ranks: int) -> list[str]:
+    """The command that starts `ranks` local processes of `-m ...` under torchrun."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    return [torchrun, "--nproc-per-node", str(ranks), "--master-port", str(free_port())]
+
+
+def start_serve(launcher: list[str], model: str, *extra: str) -> tuple[subprocess.Popen, int]:
+    """`streamgrok serve` of `model` on a free port (speech off, no load ticks, a small KV
+    pool), started by `launcher` ([python] or `torchrun_launcher`); the process and its
+    port once it listens (what it printed until then in `process.startup_output`)."""
+    process = subprocess.Popen(
+        [*launcher, "-m", "streamgrok", "serve", "--port", "0", "--model", model,
+         "--set", "transcribe=false", "--load-tick", "0", "--kv-memory-gib", "0.05", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process.startup_output = ""  # what it printed until it listened
+    for line in process.stdout:
+        process.startup_output += line
+        if match := re.search(r"on http://127\.0\.0\.1:(\d+)/", line):
+            return process, int(match.group(1))
+    raise AssertionError(f"server exited: {process.wait()}")
+
+
+def ask_chat(port: int, content: str = "hello there, how are you doing today?",
+             max_tokens: int = 12, model: str = "tiny") -> str:
+    """One greedy /v1/chat/completions answer from the server on `port`."""
+    body = json.dumps({"model": model, "max_tokens": max_tokens, "temperature": 0,
+                       "messages": [{"role": "user", "content": content}]})
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                     body.encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]

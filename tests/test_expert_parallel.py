@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import functools
+import signal
+import sys
 
 import pytest
 import torch
-from helpers import random_model, tiny_config
+from helpers import ask_chat, random_model, start_serve, tiny_config, torchrun_launcher
 
 from streamgrok.bench.kv_ranks import StreamScenario, run_ranks, run_single
 from streamgrok.cache.config import CacheConfig
@@ -62,3 +64,32 @@ def test_each_rank_keeps_only_its_block_of_experts():
         assert kept == [e for e in range(8) if expert_owner(e, 8, 4) == 1] == [2, 3]
         with pytest.raises(RuntimeError, match="rank 0"):
             experts[0](torch.zeros(1, CONFIG.hidden_size))
+
+
+def test_serve_expert_parallel_under_torchrun_answers_like_one_process(tmp_path):
+    """`serve --kv-parallel 2 --expert-parallel` of a Qwen2-MoE folder: the HTTP answer of
+    one process, each rank holding half the experts."""
+    pytest.importorskip("transformers")
+    from moe_helpers import hf_moe_model, write_hf_moe_folder
+
+    model = str(write_hf_moe_folder(tmp_path / "moe", hf_moe_model("qwen2_moe")))
+    spread, port = start_serve(torchrun_launcher(2), model, "--kv-parallel", "2",
+                               "--expert-parallel")
+    single, single_port = start_serve([sys.executable], model)
+    try:
+        answer = ask_chat(port, max_tokens=16, model="moe")
+        assert answer == ask_chat(single_port, max_tokens=16, model="moe")
+    finally:
+        spread.send_signal(signal.SIGTERM)
+        single.send_signal(signal.SIGTERM)
+        output = spread.startup_output + spread.communicate(timeout=60)[0]
+        single.wait(timeout=60)
+    assert "rank 1 of 2 holds experts 2-3 of 4 in each of 2 layers" in output
+    assert "rank 1 exits" in output
+
+
+def test_expert_parallel_needs_kv_parallel_ranks_and_experts(capsys):
+    from streamgrok.cli import main
+
+    assert main(["serve", "--expert-parallel", "--port", "0"]) != 0
+    assert "give --kv-parallel N" in capsys.readouterr().err

@@ -6,10 +6,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import signal
+import sys
 
 import pytest
 import torch
-from helpers import free_port, random_model, tiny_config
+from helpers import (
+    ask_chat,
+    free_port,
+    random_model,
+    start_serve,
+    tiny_config,
+    torchrun_launcher,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,41 +166,11 @@ def test_serve_kv_parallel_without_torchrun_says_how_to_start_it(capsys, monkeyp
 
 
 def test_serve_kv_parallel_under_torchrun_answers_like_one_process(tiny_loaded):
-    import json
-    import os
-    import re
-    import signal
-    import subprocess
-    import sys
-    import urllib.request
-    from pathlib import Path
-
-    def start(launcher: list[str], *extra: str) -> tuple[subprocess.Popen, int]:
-        process = subprocess.Popen(
-            [*launcher, "-m", "streamgrok", "serve", "--port", "0", "--model",
-             str(tiny_loaded.source), "--set", "transcribe=false", "--load-tick", "0",
-             "--kv-memory-gib", "0.05", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
-        for line in process.stdout:
-            if match := re.search(r"on http://127\.0\.0\.1:(\d+)/", line):
-                return process, int(match.group(1))
-        raise AssertionError(f"server exited: {process.wait()}")
-
-    def ask(port: int) -> str:
-        body = json.dumps({"model": "tiny", "max_tokens": 12, "temperature": 0, "messages": [
-            {"role": "user", "content": "hello there, how are you doing today?"}]})
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                         body.encode(), {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return json.loads(response.read())["choices"][0]["message"]["content"]
-
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    sharded, port = start([torchrun, "--nproc-per-node", "2", "--master-port",
-                           str(free_port())], "--kv-parallel", "2")
-    single, single_port = start([sys.executable])
+    model = str(tiny_loaded.source)
+    sharded, port = start_serve(torchrun_launcher(2), model, "--kv-parallel", "2")
+    single, single_port = start_serve([sys.executable], model)
     try:
-        assert ask(port) == ask(single_port)
+        assert ask_chat(port) == ask_chat(single_port)
     finally:
         sharded.send_signal(signal.SIGTERM)
         single.send_signal(signal.SIGTERM)

@@ -106,12 +106,15 @@ class ExpertShard:
 def shard_experts(model: nn.Module, group: Collectives) -> list[ExpertShard]:
     """Keep only this rank's block of each MoE layer's experts (the others' weights freed)
     and route the layer's tokens over `group`; the layers' shards, in order. A world of one
-    changes nothing."""
+    changes nothing; more ranks than a layer has experts is a ValueError."""
     shards = []
     if group.world == 1:
         return shards
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
+            if group.world > module.num_experts:
+                raise ValueError(f"{group.world} ranks for {module.num_experts} experts: "
+                                 "each rank needs at least one")
             shard = ExpertShard(group, module.num_experts)
             for expert, owner in enumerate(shard.owners):
                 if owner != group.rank:
