@@ -278,7 +278,8 @@ def _add_bench_commands(commands) -> None:
     kv.add_argument("--parts", default="flat,passkey,ppl,overhead",
                     help="which parts to run (also: kvp, KV parallelism over local ranks; "
                          "recall, the host tier and recall; paged, decode steps with the "
-                         "native CPU attention kernel vs the PyTorch path)")
+                         "native CPU attention kernel vs the PyTorch path; moe, a mixture "
+                         "of experts with experts and KV over the kvp ranks)")
     kv.add_argument("--tokens", type=int, default=100_000, help="tokens streamed (flat part)")
     kv.add_argument("--budget", type=int, default=2048, help="tokens per layer")
     kv.add_argument("--flat-policy", default="h2o", choices=POLICIES,
@@ -291,7 +292,8 @@ def _add_bench_commands(commands) -> None:
                     help="policies compared")
     kv.add_argument("--ppl-tokens", type=int, default=16_384, help="perplexity text length")
     kv.add_argument("--kvp-ranks", default="1,2,4", help="rank counts of the kvp part")
-    kv.add_argument("--kvp-contexts", default="1024,4096", help="contexts of the kvp part")
+    kv.add_argument("--kvp-contexts", default="1024,4096",
+                    help="contexts of the kvp part (the moe part: the largest)")
     kv.add_argument("--recall-contexts", default="4096,7168",
                     help="stream lengths of the recall part (within the trained context)")
     kv.add_argument("--recall-fractions", default="0.05,0.1,0.25",

@@ -58,7 +58,7 @@ def run_kv_bench(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     options.out_dir.mkdir(parents=True, exist_ok=True)
     runners = {"flat": flat_memory, "passkey": passkey, "ppl": perplexity,
                "overhead": eviction_overhead, "kvp": kv_parallel, "recall": recall,
-               "paged": paged}
+               "paged": paged, "moe": experts_spread}
     for part in options.parts:
         if part not in runners:
             raise ValueError(f"unknown bench kv part {part!r} (choose from {', '.join(runners)})")
@@ -71,6 +71,14 @@ def kv_parallel(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     from streamgrok.bench.kvp import run_kvp
 
     return run_kvp(loaded, options.weights, options.kvp_ranks, options.kvp_contexts,
+                   options.kvp_decode_steps, options.chunk, options.out_dir)
+
+
+def experts_spread(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """A mixture of experts with its experts and KV over 1, 2, 4 ranks (see bench.moe)."""
+    from streamgrok.bench.moe import run_moe
+
+    return run_moe(loaded, options.weights, options.kvp_ranks, max(options.kvp_contexts),
                    options.kvp_decode_steps, options.chunk, options.out_dir)
 
 

@@ -19,7 +19,7 @@ from streamgrok.cache.kv_group import KVGroup, KVParallelError
 from streamgrok.cache.kv_parallel import KVParallelCache
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.model.batch import BatchMetadata
-from streamgrok.model.expert_parallel import shard_experts
+from streamgrok.model.expert_parallel import ExpertShard, shard_experts
 from streamgrok.model.llama import Transformer
 from streamgrok.stream_tokens import Modality, TokenInfo
 
@@ -48,12 +48,14 @@ class StreamResult:
     exchanged_bytes: int  # sent by this rank in collectives, all steps
     decode_exchanged_bytes: int  # of which during the decode steps
     expert_sent_bytes: int = 0  # hidden rows sent for expert parallelism, all steps
+    decode_expert_bytes: int = 0  # of which during the decode steps
     weight_bytes: int = 0  # the model's weights this rank holds
 
 
 def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
-               scenario: StreamScenario) -> StreamResult:
-    """Play the scenario on `cache`; every rank of a KV-parallel cache plays it alike."""
+               scenario: StreamScenario, shards: list[ExpertShard] = ()) -> StreamResult:
+    """Play the scenario on `cache`; every rank of a KV-parallel cache plays it alike
+    (`shards`: the model's expert-parallel layers, whose bytes sent are counted)."""
     sequences = len(scenario.chunks[0])
     for seq_id in range(sequences):
         cache.add_sequence(seq_id)
@@ -78,6 +80,7 @@ def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
     for index, chunk in enumerate(scenario.chunks):
         logits = step(chunk, index)
     sent_before_decode = getattr(cache, "exchanged_bytes", 0)
+    experts_before_decode = sum(shard.sent_bytes for shard in shards)
     for _ in range(scenario.decode_steps):
         started = time.perf_counter()
         logits = step([token[None] for token in logits.argmax(-1)])
@@ -89,6 +92,9 @@ def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
         decode_seconds=seconds,
         exchanged_bytes=getattr(cache, "exchanged_bytes", 0),
         decode_exchanged_bytes=getattr(cache, "exchanged_bytes", 0) - sent_before_decode,
+        expert_sent_bytes=sum(shard.sent_bytes for shard in shards),
+        decode_expert_bytes=sum(shard.sent_bytes for shard in shards) - experts_before_decode,
+        weight_bytes=model.weight_bytes(),
     )
 
 
@@ -189,9 +195,7 @@ def _rank_main(rank: int, world: int, port: int, build_model, scenario: StreamSc
             cache = KVParallelCache(model.config, group, scenario.cache_config, model.dtype,
                                     model.device, num_pages=scenario.num_pages,
                                     kernels=model.kernels)
-            result = run_stream(model, cache, scenario)
-        result.expert_sent_bytes = sum(shard.sent_bytes for shard in shards)
-        result.weight_bytes = model.weight_bytes()
+            result = run_stream(model, cache, scenario, shards)
         # numpy pickles by value: a tensor would go as a shared-memory handle that dies
         # with this process
         result.logits = result.logits.numpy()
