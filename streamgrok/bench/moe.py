@@ -187,7 +187,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     left.set_ylabel("decode step (ms)")
     right.set_ylabel("weights per rank (MB)")
     left.set_title("MoE: experts and KV over CPU ranks (gloo)")
-    fig.legend(loc="upper right")
+    fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
