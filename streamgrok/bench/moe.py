@@ -6,7 +6,9 @@ writes (`moe_gguf`; serve it with `bench serve --model FILE --peer llama-server`
 llama.cpp comparison on the same file). Measured per rank count: the decode step (median),
 the weights and KV each rank holds, and the bytes each rank sends per decoded token (expert
 all-to-alls and KV-parallel merges); with one rank also the parameters a token multiplies
-by, and the bandwidth that step achieves reading them."""
+by, and the bandwidth that step achieves reading them. Then PiKV's expert-sharded layout
+(approximate attention, `streamgrok.cache.pikv`) against the full cache on the same stream:
+top-1 agreement and KL."""
 
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ from streamgrok.bench.kv_ranks import StreamResult, StreamScenario, run_ranks
 from streamgrok.bench.moe_gguf import MoEShape, write_random_moe_gguf
 from streamgrok.bench.timing import measurement_env, median
 from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.pikv import ExpertShardedKV
+from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.config import ModelConfig
+from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.llama import Transformer
 from streamgrok.model.loader import LoadedModel, load_model
 from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
@@ -74,9 +79,58 @@ def run_moe(loaded: LoadedModel, weights: str, ranks: tuple[int, ...], context: 
                             env=measurement_env(), expert_parallel=True)
         rows.append(_row(config, world, threads, results, decode_steps, context))
     _print_table(source, config, weights, context, rows, cores)
+    fidelity = pikv_fidelity(build(), ids, tuple(r for r in ranks if r > 1), chunk)
     projection = project(GpuMoEShape(), (32_768, 262_144, 1_048_576), (1, 2, 4, 8))
     _plot(rows, out_dir / "moe_ranks.png")
-    return {"model": str(source), "measured": rows, "projected": projection}
+    return {"model": str(source), "measured": rows, "pikv": fidelity,
+            "projected": projection}
+
+
+def pikv_fidelity(model: Transformer, ids: list[int], worlds: tuple[int, ...], chunk: int
+                  ) -> list[dict]:
+    """PiKV's layout (`streamgrok.cache.pikv`) against the full cache on the stream `ids`,
+    fed in chunks: per rank count, the share of keys a query sees, top-1 agreement and the
+    mean KL(full || PiKV) of the next-token distributions after the first chunk."""
+    rows = []
+    for world in worlds:
+        full = ContiguousKVCache(model.config, 1, len(ids), model.dtype, model.device)
+        layout = ExpertShardedKV(model, world)
+        agree = total = 0
+        kl = 0.0
+        try:
+            for start in tqdm(range(0, len(ids), chunk), desc=f"pikv {world} ranks",
+                              unit="chunk"):
+                part = torch.tensor(ids[start:start + chunk], device=model.device)
+                want = _all_logits(model, part, full)
+                got = _all_logits(model, part, layout)
+                if start == 0:
+                    continue
+                agree += int((want.argmax(-1) == got.argmax(-1)).sum())
+                total += part.numel()
+                kl += float(torch.nn.functional.kl_div(
+                    got.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                    reduction="sum"))
+        finally:
+            layout.close()
+        rows.append({"ranks": world, "keys_seen": layout.stats.visible_fraction,
+                     "top1_agreement": agree / max(1, total), "kl": kl / max(1, total),
+                     "positions": total})
+    print(f"\n[moe] PiKV layout (approximate attention: a key on the rank of its top-1 "
+          f"expert, a query over the ranks of its top-{model.config.moe.experts_per_token}) "
+          f"vs the full cache, {len(ids)}-token stream in {chunk}-token chunks, every "
+          "position after the first chunk")
+    print(f"{'ranks':>5} {'keys seen':>9} {'top-1 agree':>11} {'KL nats':>8}")
+    for r in rows:
+        print(f"{r['ranks']:>5} {r['keys_seen']:>8.1%} {r['top1_agreement']:>10.1%} "
+              f"{r['kl']:>8.4f}")
+    return rows
+
+
+def _all_logits(model: Transformer, ids: torch.Tensor, backend) -> torch.Tensor:
+    batch = BatchMetadata.build([0], [ids.numel()], model.device)
+    batch.logit_rows = None
+    with torch.inference_mode():
+        return model(ids, batch, backend).float()
 
 
 def _load_transformer(path: str, weights: str) -> Transformer:
