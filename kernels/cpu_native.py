@@ -36,7 +36,8 @@ SOURCES = tuple(SOURCE_DIR / name for name in (
     "decode_attention.cpp", "paged_attention.cpp", "int8_rows.cpp", "int4_linear.cpp",
     "int8_linear.cpp", "decode_step.cpp", "paged_decode_step.cpp"))
 HEADERS = (SOURCE_DIR / "attention_math.h", SOURCE_DIR / "native_ops.h",
-           SOURCE_DIR / "activation_levels.h", SOURCE_DIR / "step_parts.h")
+           SOURCE_DIR / "activation_levels.h", SOURCE_DIR / "step_parts.h",
+           SOURCE_DIR / "moe_ffn.h")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _BUILD_LOCK = threading.Lock()  # one build and registration, whichever thread asks first
 # "0": the PyTorch paths instead of the native kernels (the name predates the int8 kernels)

@@ -21,6 +21,7 @@ from helpers import (
 
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import NATIVE_ATTENTION_ENV, CompiledDecode
+from streamgrok.model.config import MoEConfig
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.llama import fuse_projections
 from streamgrok.model.native_decode import native_step_fits
@@ -34,11 +35,12 @@ from streamgrok.model.quantized import (
 VOCAB = 320  # whole blocks of 64 output rows: the head is a native int4 layer
 
 
-def q4_model(bias: bool = False, vocab: int = VOCAB, int4_head: bool = False):
-    """A tiny fused q4 model on the native int4 kernel (its head int8, as q4's is, or int4)."""
+def q4_model(bias: bool = False, vocab: int = VOCAB, int4_head: bool = False, config=None):
+    """A tiny fused q4 model (`config`, default a Llama) on the native int4 kernel (its head
+    int8, as q4's is, or int4)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(NATIVE_ATTENTION_ENV, "1")
-        config = tiny_config(vocab_size=vocab, attention_bias=bias)
+        config = config or tiny_config(vocab_size=vocab, attention_bias=bias)
         model = quantize_model(fuse_projections(random_model(config)), "q4")
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
     if int4_head:
@@ -98,6 +100,50 @@ def test_native_steps_equal_eager_steps(native_model, slots, capacity):
             torch.testing.assert_close(got, want, atol=0, rtol=5e-3)
 
 
+def mixture_config():
+    """A tiny Mixtral-like model's config: 6 experts, 2 per token."""
+    moe = MoEConfig(num_experts=6, experts_per_token=2, expert_intermediate_size=32,
+                    normalize_weights=True)
+    return tiny_config(vocab_size=VOCAB, architecture="mixtral", num_layers=2, moe=moe)
+
+
+def test_a_mixture_decodes_natively_on_the_contiguous_cache():
+    """`chat`'s cache: a q4 mixture's steps run as the native step (experts grouped inside
+    it), with the eager model's logits."""
+    model = q4_model(config=mixture_config())
+    model.compiled_decode = decode = CompiledDecode(enabled=True)
+    native, reference = (eagerly_prefilled(model, 3, 30) for _ in range(2))
+    batch = BatchMetadata.build([0, 1, 2], [1] * 3)
+    gen = torch.Generator().manual_seed(5)
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        patch.setenv(NATIVE_ATTENTION_ENV, "1")
+        model(torch.tensor([1, 2, 3]), batch, native)  # starts choosing
+        assert decode.wait_compiled(timeout=900), decode.compile_error
+        with eager_decode(model):
+            model(torch.tensor([1, 2, 3]), batch, reference)
+        for _ in range(4):
+            ids = torch.randint(0, VOCAB, (3,), generator=gen)
+            got = model(ids, batch, native)
+            with eager_decode(model):
+                want = model(ids, batch, reference)
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.01)
+    assert decode.native_step is not None and decode.compiled_steps == 4
+
+
+def test_a_mixture_the_native_step_does_not_fit_decodes_layer_by_layer():
+    """A float mixture is never traced (the grouping by expert depends on the values):
+    its steps stay eager, and `wait_compiled` says none are compiled."""
+    model = fuse_projections(random_model(mixture_config()))
+    model.compiled_decode = decode = CompiledDecode(enabled=True)
+    cache = eagerly_prefilled(model, 1, 12)
+    with torch.inference_mode():
+        first = model(torch.tensor([4]), BatchMetadata.build([0], [1]), cache)
+        assert not decode.wait_compiled(timeout=900) and decode.compile_error is None
+        second = model(torch.tensor([5]), BatchMetadata.build([0], [1]), cache)
+    assert first.shape == second.shape == (1, VOCAB)
+    assert decode.compiled_steps == 0 and decode.eager_fallbacks == 0
+
+
 def test_a_cache_the_native_step_does_not_take_decodes_eagerly(native_model):
     model, _ = native_model
     assert_a_step_falls_back_eagerly(model, torch.float16)
@@ -130,7 +176,8 @@ def test_the_op_names_what_it_refuses():
                 qkv_biases=[], keys=stores, values=[s.clone() for s in stores], key_scales=[],
                 value_scales=[], positions=torch.tensor([3]), cos=torch.ones(1, half),
                 sin=torch.zeros(1, half), num_heads=config.num_heads,
-                num_kv_heads=config.num_kv_heads, eps=1e-5)
+                num_kv_heads=config.num_kv_heads, eps=1e-5, moe_weights=[], moe_layout=[],
+                expert_counts=torch.empty(0, dtype=torch.long))
     op = torch.ops.streamgrok_cpu.decode_step
     assert op(**args).shape == (1, VOCAB)
     without_head = op(**{**args, "weights": step.body})  # the normed hidden state
@@ -143,6 +190,10 @@ def test_the_op_names_what_it_refuses():
     with pytest.raises(RuntimeError, match="int8 stores and only they"):
         op(**{**args, "key_scales": [torch.zeros(1, 2, 8, dtype=torch.float16)] * 2,
               "value_scales": [torch.zeros(1, 2, 8, dtype=torch.float16)] * 2})
+    with pytest.raises(RuntimeError, match="one per layer"):
+        op(**{**args, "moe_layout": [4, 2, 1, 0, 0]})
+    with pytest.raises(RuntimeError, match="outside moe_weights"):
+        op(**{**args, "moe_layout": [4, 2, 1, 0, 0] + [0] * config.num_layers})
 
 
 def test_a_process_decoding_natively_imports_neither_the_compiler_nor_triton(tmp_path):

@@ -12,6 +12,7 @@ from helpers import eager_decode, random_model, skip_unless_int4_vectorized, tin
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.config import MoEConfig
 from streamgrok.model.llama import fuse_projections
 from streamgrok.model.native_decode import PagedNativeDecode
 from streamgrok.model.quantized import Int4Linear, quantize_model, wait_native_int4
@@ -20,9 +21,10 @@ from streamgrok_kernels.ops import KernelOps
 VOCAB = 320
 
 
-def q4_model(bias: bool):
-    """A tiny fused q4 model on the native int4 kernel, its paged steps native."""
-    config = tiny_config(vocab_size=VOCAB, attention_bias=bias)
+def q4_model(bias: bool, config=None):
+    """A tiny fused q4 model (`config`, default a Llama) on the native int4 kernel, its paged
+    steps native."""
+    config = config or tiny_config(vocab_size=VOCAB, attention_bias=bias)
     model = quantize_model(fuse_projections(random_model(config)), "q4")
     layer = next(m for m in model.modules() if isinstance(m, Int4Linear))
     with pytest.MonkeyPatch.context() as patch:
@@ -171,3 +173,40 @@ async def test_the_engine_decodes_natively_while_other_sessions_stream(tiny_gguf
     assert whole.steps > before and whole.fallbacks == 0
     mixed = [groups for groups in split if len(groups) == 2]
     assert mixed, "no step mixed an answer's decode with another session's prefill"
+
+
+@pytest.mark.parametrize("layout", ["mixtral", "qwen2_moe"])
+def test_native_paged_steps_of_a_mixture_equal_layer_by_layer_steps(layout):
+    """Experts (and a gated shared expert, a dense layer) inside the native step: the
+    eager model's logits, step after step, several sequences choosing different experts."""
+    moe = MoEConfig(num_experts=6, experts_per_token=2, expert_intermediate_size=32,
+                    normalize_weights=layout == "mixtral",
+                    shared_intermediate_size=32 if layout == "qwen2_moe" else 0,
+                    shared_gated=layout == "qwen2_moe",
+                    dense_layers=(1,) if layout == "qwen2_moe" else ())
+    config = tiny_config(vocab_size=VOCAB, architecture=layout, num_layers=3, moe=moe,
+                         attention_bias=layout == "qwen2_moe")
+    model = q4_model(False, config)
+    native, reference = (paged_cache(model, "float32", "full", None) for _ in range(2))
+    lengths = [5, 21, 36, 50, 9, 13]
+    for cache in (native, reference):
+        prefilled(model, cache, lengths)
+    seqs = list(range(len(lengths)))
+    gen = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        for _ in range(8):
+            ids = torch.randint(0, VOCAB, (len(seqs),), generator=gen)
+            got = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), native)
+            with eager_decode(model):
+                want = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), reference)
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.01)
+    assert model.paged_native.steps == 8 and model.paged_native.fallbacks == 0
+    # both caches' prefills (the second sequence forked from the first), the native steps
+    # and the layer-by-layer ones all counted their tokens' two choices
+    tokens = 2 * (sum(lengths) - lengths[0]) + 2 * 8 * len(seqs)
+    for block in model.layers:
+        if hasattr(block.ffn, "router"):
+            assert int(block.ffn.tokens_per_expert.sum()) == 2 * tokens
+    chosen = {int(e) for block in model.layers if hasattr(block.ffn, "router")
+              for e in block.ffn.last_routing.experts.flatten()}
+    assert len(chosen) > 2  # the eager steps' rows went to several experts

@@ -64,12 +64,16 @@ namespace streamgrok_cpu {
 // [(H + 2 KVH) D] per layer. keys/values: a store per layer, [B, KVH, capacity, D] float32,
 // bfloat16 or int8 (then key_scales/value_scales, float16 [B, KVH, capacity], else empty),
 // written at `positions` [B] int64; cos/sin [B, D/2] float32, the new positions' rotary.
+// moe_weights/moe_layout/expert_counts: a mixture of experts' layers (moe_ffn.h; empty for
+// a dense model).
 // Returns the logits [B, vocab] float32 (or the normed hidden state: see the head above).
 at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
                        at::TensorList qkv_biases, at::TensorList keys, at::TensorList values,
                        at::TensorList key_scales, at::TensorList value_scales,
                        const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                       int64_t num_heads, int64_t num_kv_heads, double eps) {
+                       int64_t num_heads, int64_t num_kv_heads, double eps,
+                       at::TensorList moe_weights, at::IntArrayRef moe_layout,
+                       const at::Tensor& expert_counts) {
   const int64_t layers = static_cast<int64_t>(keys.size());
   TORCH_CHECK(embedded.dim() == 2 && embedded.scalar_type() == at::kFloat,
               "decode_step: embedded must be float32 [B, hidden]");
@@ -83,6 +87,8 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
               "decode_step: no q/k/v biases or one per layer");
   const int64_t batch = embedded.size(0), hidden = embedded.size(1);
   check_weights("decode_step", weights, layers, hidden);
+  const MixtureOfExperts moe(moe_weights, moe_layout, expert_counts, layers, hidden,
+                             "decode_step");
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == batch && cos.sizes() == sin.sizes() &&
                   cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "decode_step: cos and sin must be float32 [B, D/2]");
@@ -145,7 +151,7 @@ at::Tensor decode_step(const at::Tensor& embedded, at::TensorList weights,
         .view({batch, q_width});
   };
   const at::Tensor x = run_layers(embedded, weights, qkv_biases, layers,
-                                  q_width + 2 * kv_width, norm_eps, attend);
+                                  q_width + 2 * kv_width, norm_eps, moe, attend);
   return finish(x, weights, layers, norm_eps);
 }
 
@@ -155,7 +161,8 @@ TORCH_LIBRARY_FRAGMENT(streamgrok_cpu, m) {
   m.def("decode_step(Tensor embedded, Tensor[] weights, Tensor[] qkv_biases, "
         "Tensor(a!)[] keys, Tensor(b!)[] values, Tensor(c!)[] key_scales, "
         "Tensor(d!)[] value_scales, Tensor positions, Tensor cos, Tensor sin, int num_heads, "
-        "int num_kv_heads, float eps) -> Tensor");
+        "int num_kv_heads, float eps, Tensor[] moe_weights, int[] moe_layout, "
+        "Tensor(e!) expert_counts) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(streamgrok_cpu, CPU, m) {

@@ -32,14 +32,16 @@ using namespace step;
 // the new token; cos/sin [positions, D/2] float32 (positions >= every length). Returns the
 // logits [B, vocab] (or the normed hidden state, as decode_step) and, with want_mass, the
 // attention mass [L, B, P * page_size] float32 each row's query gave each key, summed over
-// heads (an empty tensor otherwise).
+// heads (an empty tensor otherwise). moe_weights/moe_layout/expert_counts: a
+// mixture of experts' layers (moe_ffn.h; empty for a dense model).
 std::tuple<at::Tensor, at::Tensor> paged_decode_step(
     const at::Tensor& embedded, at::TensorList weights, at::TensorList qkv_biases,
     const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& k_scale,
     const c10::optional<at::Tensor>& v_scale, const at::Tensor& new_slots,
     const at::Tensor& block_tables, const at::Tensor& lengths, const at::Tensor& cos,
     const at::Tensor& sin, int64_t page_size, int64_t num_heads, int64_t num_kv_heads,
-    double eps, bool want_mass) {
+    double eps, bool want_mass, at::TensorList moe_weights, at::IntArrayRef moe_layout,
+    const at::Tensor& expert_counts) {
   TORCH_CHECK(embedded.dim() == 2 && embedded.scalar_type() == at::kFloat,
               "paged_decode_step: embedded must be float32 [B, hidden]");
   TORCH_CHECK(block_tables.dim() == 3 && block_tables.scalar_type() == at::kInt,
@@ -56,6 +58,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_step(
   TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == layers,
               "paged_decode_step: no q/k/v biases or one per layer");
   check_weights("paged_decode_step", weights, layers, hidden);
+  const MixtureOfExperts moe(moe_weights, moe_layout, expert_counts, layers, hidden,
+                             "paged_decode_step");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
               "paged_decode_step: heads must be a multiple of KV heads");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == num_kv_heads &&
@@ -129,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_step(
     return out.view({batch, q_width});
   };
   const at::Tensor x = run_layers(embedded, weights, qkv_biases, layers,
-                                  q_width + 2 * kv_width, norm_eps, attend);
+                                  q_width + 2 * kv_width, norm_eps, moe, attend);
   return {finish(x, weights, layers, norm_eps),
           want_mass ? at::stack(masses) : at::empty({0}, embedded.options())};
 }
@@ -140,7 +144,8 @@ TORCH_LIBRARY_FRAGMENT(streamgrok_cpu, m) {
   m.def("paged_decode_step(Tensor embedded, Tensor[] weights, Tensor[] qkv_biases, "
         "Tensor(a!) k, Tensor(b!) v, Tensor(c!)? k_scale, Tensor(d!)? v_scale, "
         "Tensor new_slots, Tensor block_tables, Tensor lengths, Tensor cos, Tensor sin, "
-        "int page_size, int num_heads, int num_kv_heads, float eps, bool want_mass) "
+        "int page_size, int num_heads, int num_kv_heads, float eps, bool want_mass, "
+        "Tensor[] moe_weights, int[] moe_layout, Tensor(e!) expert_counts) "
         "-> (Tensor, Tensor)");
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "moe_ffn.h"
 #include "native_ops.h"
 
 namespace streamgrok_cpu::step {
@@ -133,10 +134,12 @@ inline int64_t check_weights(const char* op, at::TensorList weights, int64_t lay
 // Runs every layer on the residual stream `embedded` [B, hidden] float32 and returns it.
 // `attend(layer, qkv)` gets the layer's q/k/v matmul output [B, (H + 2 KVH) D] (biases added,
 // not rotated) and returns the attention output [B, H D] float32; it stores the new K/V.
+// The feed-forward of a layer `moe` calls sparse is its mixture of experts (the layer's own
+// MLP weights are then placeholders).
 template <typename Attend>
 at::Tensor run_layers(const at::Tensor& embedded, at::TensorList weights,
                       at::TensorList qkv_biases, int64_t layers, int64_t qkv_width, float eps,
-                      Attend&& attend) {
+                      const MixtureOfExperts& moe, Attend&& attend) {
   at::Tensor x = embedded.contiguous().clone();
   at::Tensor h = at::empty_like(x);
   const int64_t batch = x.size(0), hidden = x.size(1);
@@ -153,7 +156,9 @@ at::Tensor run_layers(const at::Tensor& embedded, at::TensorList weights,
     at::Tensor out = int4_linear(attended, w[3], w[4], false);
     add_into(xp, out.data_ptr<float>(), batch, hidden);
     rms_norm(xp, w[5].data_ptr<float>(), batch, hidden, eps, hp);
-    at::Tensor down = int4_linear(swiglu(int4_linear(h, w[6], w[7], false)), w[8], w[9], false);
+    at::Tensor down = moe.sparse(l) ? moe.forward(l, h)
+                                    : int4_linear(swiglu(int4_linear(h, w[6], w[7], false)),
+                                                  w[8], w[9], false);
     add_into(xp, down.data_ptr<float>(), batch, hidden);
   }
   return x;

@@ -186,6 +186,8 @@ class CompiledDecode:
         self.native_attention = False  # whether the compiled steps attend by the native kernel
         # the whole step as one native call (int4 models), chosen instead of compiling
         self.native_step: NativeDecodeStep | None = None
+        # a mixture of experts the native step does not fit: its steps stay layer by layer
+        self._declined = False
         self.compiled_steps = 0  # steps that ran compiled
         self.eager_fallbacks = 0  # compiled-kind steps the compiled graph did not fit
 
@@ -202,7 +204,8 @@ class CompiledDecode:
     @property
     def ready(self) -> bool:
         """Whether the compiled steps are in use."""
-        return self._function is not None and self._compiles.is_ready(_STEPS)
+        return (self._function is not None and not self._declined
+                and self._compiles.is_ready(_STEPS))
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for a compilation under way (benchmarks, before they time); True when the
@@ -214,8 +217,9 @@ class CompiledDecode:
               backend: object) -> bool:
         """Whether this step is of the compiled kind (checked before the backend prepares
         it): a CPU decode step of token ids on a backend that gives decode views, of a
-        model without experts (their token grouping depends on the routing's values)."""
-        return (self.enabled and model.config.moe is None and batch.is_decode
+        model without experts or one whose steps run natively (a traced graph would fix the
+        tokens' grouping by expert to the stand-ins' routing)."""
+        return (self.enabled and not self._declined and batch.is_decode
                 and batch.embed_rows is None
                 and input_ids.device.type == "cpu" and hasattr(backend, "decode_view")
                 and model.kernels.backend != "triton")
@@ -282,6 +286,11 @@ class CompiledDecode:
         wait_native_int4(model)  # the graphs call the kernel its int4 layers will use
         if self.native_attention and native_step_fits(model, like.dtype):
             self.native_step = NativeDecodeStep(model)
+            return
+        if model.config.moe is not None:
+            log.info("decode steps of this mixture of experts run layer by layer: the native "
+                     "step does not fit it (int4 fused experts, float32, native attention)")
+            self._declined = True
             return
         tokens, several = _stand_in_sizes(model)
         for batch in (1, several):

@@ -20,6 +20,7 @@ from streamgrok.model.llama import Attention, Transformer, fuse_projections
 from streamgrok.model.quantized import (
     WEIGHT_FORMATS,
     QuantizedRows,
+    is_routing_gate,
     keep_wide_head,
     quantized_rows,
 )
@@ -88,10 +89,8 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(config)
     quantize = weights in ("q8", "q4", "w8a8")
-    # a router and a shared expert's gate stay in `dtype`: few weights, and an expert
-    # choice a rounding flips changes the token's whole computation
     linears = {f"{name}.weight" for name, module in model.named_modules()
-               if isinstance(module, torch.nn.Linear) and not _is_gate(name)}
+               if isinstance(module, torch.nn.Linear) and not is_routing_gate(name)}
     state: dict[str, torch.Tensor] = {}
     packed = _PackedAsRead(model, fuse, int8_activations=weights == "w8a8")
     rescaled = smoothing.rescaled if smoothing is not None else (lambda _, tensor: tensor)
@@ -141,11 +140,6 @@ def build_model(
     if wide_head:
         keep_wide_head(model)
     return model.eval().requires_grad_(False)
-
-
-def _is_gate(module_path: str) -> bool:
-    """Whether a linear is a mixture's router or a shared expert's gate."""
-    return module_path.endswith((".router", ".shared_gate"))
 
 
 def _check_shape(model: Transformer, name: str, tensor: torch.Tensor) -> None:

@@ -65,7 +65,9 @@ class ExpertDispatch(Protocol):
 class MoEFeedForward(nn.Module):
     """Router, experts and (Qwen2-MoE) a gated shared expert. Keeps the last call's routing
     (`last_routing`) and a running count of the tokens each expert has taken
-    (`tokens_per_expert`, on the CPU; None before the first call). With a `dispatch` (see
+    (`tokens_per_expert`, on the CPU; None before the first call; a native decode step,
+    `streamgrok.model.native_decode`, counts into it too but leaves `last_routing` as the
+    last call's here). With a `dispatch` (see
     `streamgrok.model.expert_parallel`) the experts run where it sends them."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:

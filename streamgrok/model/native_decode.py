@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamgrok.model.batch import BatchMetadata, PagedDecodeView
+from streamgrok.model.moe import MoEFeedForward
 from streamgrok.model.quantized import NATIVE_INT8_MAX_ROWS, Int4Linear, Int8Linear
 from streamgrok_kernels.cpu_attention import KV_DTYPES
 from streamgrok_kernels.cpu_native import native_kernels_by_default
@@ -57,22 +58,71 @@ def native_step_fits(model: Transformer, kv_dtype: torch.dtype) -> bool:
     """Whether `model`'s decode steps over a cache of `kv_dtype` can run as `NativeDecodeStep`:
     float32 activations, fused q/k/v and gate/up, every projection int4 on the native kernel
     (built and vectorized: `wait_native_int4` first), the head int4 or weight-only int8 on
-    the native kernels, q/k/v biases at most, the plain Llama block (no experts, q/k norms
-    or clipping)."""
-    if not model.config.is_dense_llama:
+    the native kernels, q/k/v biases at most, no q/k norms or clipping; a mixture's experts
+    (and shared expert) int4 too, its routers float32, its experts all in this process."""
+    config = model.config
+    if config.qk_norm != "none" or config.clip_qkv is not None:
         return False
     if kv_dtype not in KV_DTYPES or model.dtype != torch.float32 or \
-            model.config.head_dim % 2 or not (_native_int4(model.output)
-                                              or _native_int8_head(model.output)):
+            config.head_dim % 2 or not (_native_int4(model.output)
+                                        or _native_int8_head(model.output)):
         return False  # model.dtype is the final norm's
     for block in model.layers:
         attn, ffn = block.attn, block.ffn
-        if not (_native_int4(attn.wqkv, bias_allowed=True) and _native_int4(attn.wo)
-                and _native_int4(ffn.w_gate_up) and _native_int4(ffn.w_down)):
+        if not (_native_int4(attn.wqkv, bias_allowed=True) and _native_int4(attn.wo)):
+            return False
+        if not (_native_moe(ffn) if isinstance(ffn, MoEFeedForward) else _native_mlp(ffn)):
             return False
         if any(norm.weight.dtype != torch.float32 for norm in (block.attn_norm, block.ffn_norm)):
             return False
     return True
+
+
+def _native_mlp(ffn: object) -> bool:
+    """Whether a SwiGLU MLP (a dense layer's, an expert's) is fused and native int4."""
+    return (getattr(ffn, "w_gate_up", None) is not None and _native_int4(ffn.w_gate_up)
+            and _native_int4(ffn.w_down))
+
+
+def _native_moe(ffn: MoEFeedForward) -> bool:
+    """Whether a mixture's layer runs in the native step (`kernels/cpu/moe_ffn.h`)."""
+    return (ffn.dispatch is None and _float_gate(ffn.router)
+            and all(_native_mlp(expert) for expert in ffn.experts)
+            and (ffn.shared is None or _native_mlp(ffn.shared))
+            and (ffn.shared_gate is None or _float_gate(ffn.shared_gate)))
+
+
+def _float_gate(layer: object) -> bool:
+    """Whether a router (or a shared expert's gate) is a float32 linear without bias."""
+    return (isinstance(layer, torch.nn.Linear) and layer.bias is None
+            and layer.weight.dtype == torch.float32)
+
+
+def _moe_tensors(ffn: MoEFeedForward) -> list[torch.Tensor]:
+    """A mixture's layer as the native step takes it (`kernels/cpu/moe_ffn.h`)."""
+    tensors = [ffn.router.weight.contiguous()]
+    for mlp in [*ffn.experts, *([ffn.shared] if ffn.shared is not None else [])]:
+        tensors += [mlp.w_gate_up.packed, mlp.w_gate_up.scales_and_zeros,
+                    mlp.w_down.packed, mlp.w_down.scales_and_zeros]
+    if ffn.shared_gate is not None:
+        tensors.append(ffn.shared_gate.weight.contiguous())
+    return tensors
+
+
+def _shared_expert_counts(model: Transformer) -> torch.Tensor:
+    """One [layers, experts] int64 tensor the native steps count each expert's rows into;
+    each mixture layer's `tokens_per_expert` becomes its row (counts so far kept), so the
+    layer-by-layer calls count into the same numbers. Empty for a dense model."""
+    moe = model.config.moe
+    if moe is None:
+        return torch.empty(0, dtype=torch.long)
+    counts = torch.zeros(len(model.layers), moe.num_experts, dtype=torch.long)
+    for row, block in zip(counts, model.layers):
+        if isinstance(block.ffn, MoEFeedForward):
+            if block.ffn.tokens_per_expert is not None:
+                row.copy_(block.ffn.tokens_per_expert)
+            block.ffn.tokens_per_expert = row
+    return counts
 
 
 class NativeDecodeStep:
@@ -82,14 +132,23 @@ class NativeDecodeStep:
     def __init__(self, model: Transformer) -> None:
         weights: list[torch.Tensor] = []
         biases: list[torch.Tensor] = []
+        self.moe_weights: list[torch.Tensor] = []  # the mixture's layers (none if dense)
+        routers: list[int] = []  # per layer: where its experts start in moe_weights, or -1
+        absent = torch.empty(0)
         for block in model.layers:
             attn, ffn = block.attn, block.ffn
             weights += [block.attn_norm.weight.contiguous(),
                         attn.wqkv.packed, attn.wqkv.scales_and_zeros,
                         attn.wo.packed, attn.wo.scales_and_zeros,
-                        block.ffn_norm.weight.contiguous(),
-                        ffn.w_gate_up.packed, ffn.w_gate_up.scales_and_zeros,
-                        ffn.w_down.packed, ffn.w_down.scales_and_zeros]
+                        block.ffn_norm.weight.contiguous()]
+            if isinstance(ffn, MoEFeedForward):
+                weights += [absent] * 4
+                routers.append(len(self.moe_weights))
+                self.moe_weights += _moe_tensors(ffn)
+            else:
+                weights += [ffn.w_gate_up.packed, ffn.w_gate_up.scales_and_zeros,
+                            ffn.w_down.packed, ffn.w_down.scales_and_zeros]
+                routers.append(-1)
             if attn.wqkv.bias is not None:
                 biases.append(attn.wqkv.bias.float().contiguous())
         head = model.output
@@ -103,6 +162,11 @@ class NativeDecodeStep:
         self.wide_head_from = (NATIVE_INT8_MAX_ROWS if isinstance(head, Int8Linear)
                                and head.wide is not None else None)
         self.biases = biases
+        moe = model.config.moe
+        self.moe_layout: list[int] = [] if moe is None else [
+            moe.num_experts, moe.experts_per_token, int(moe.normalize_weights),
+            int(moe.shared_intermediate_size > 0), int(moe.shared_gated), *routers]
+        self.expert_counts = _shared_expert_counts(model)
         self.num_heads = model.config.num_heads
         self.num_kv_heads = model.config.num_kv_heads
         self.eps = model.norm.eps
@@ -117,7 +181,8 @@ class NativeDecodeStep:
         out, mass = torch.ops.streamgrok_cpu.paged_decode_step(
             embedded, weights, self.biases, kv.k, kv.v, kv.k_scale, kv.v_scale, view.new_slots,
             view.tables, view.lengths, view.cos, view.sin, view.page_size, self.num_heads,
-            self.num_kv_heads, self.eps, view.wants_mass)
+            self.num_kv_heads, self.eps, view.wants_mass, self.moe_weights, self.moe_layout,
+            self.expert_counts)
         return self._logits(model, out, wide_head), (mass if view.wants_mass else None)
 
     def __call__(self, model: Transformer, input_ids: torch.Tensor, view: DecodeView
@@ -128,7 +193,8 @@ class NativeDecodeStep:
         out = torch.ops.streamgrok_cpu.decode_step(
             embedded, weights, self.biases, view.keys, view.values, view.key_scales or [],
             view.value_scales or [], view.positions, view.cos.float(), view.sin.float(),
-            self.num_heads, self.num_kv_heads, self.eps)
+            self.num_heads, self.num_kv_heads, self.eps, self.moe_weights, self.moe_layout,
+            self.expert_counts)
         return self._logits(model, out, wide_head)
 
     def _inputs(self, model: Transformer, input_ids: torch.Tensor

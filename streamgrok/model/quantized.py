@@ -434,10 +434,21 @@ def _unpacks_exactly(packed: torch.Tensor, levels: torch.Tensor) -> bool:
     return torch.equal(unpacked, levels[:Q4_CPU_BLOCK].to(torch.uint8))
 
 
+ROUTING_GATES = ("router", "shared_gate")
+
+
+def is_routing_gate(module_path: str) -> bool:
+    """Whether a linear is a mixture's router or a shared expert's gate, which stay in the
+    model's dtype whatever `weights` says: few weights, and a choice a rounding flips
+    changes the token's whole computation."""
+    return module_path.rpartition(".")[2] in ROUTING_GATES
+
+
 def quantize_model(model: nn.Module, weights: str) -> nn.Module:
     """Store the projections and the output head as `weights` (q8, q4; f32 and bf16 leave
-    the model as it is). The embedding table becomes int8 in groups of 32 (`Int8Embedding`,
-    where the row size allows); a tied head gets its own quantized copy."""
+    the model as it is; routers stay: `is_routing_gate`). The embedding table becomes int8
+    in groups of 32 (`Int8Embedding`, where the row size allows); a tied head gets its own
+    quantized copy."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r} (choose from "
                          f"{', '.join(WEIGHT_FORMATS)})")
@@ -449,7 +460,7 @@ def quantize_model(model: nn.Module, weights: str) -> nn.Module:
     int4_matmul = Int4Matmul()  # one native build for the model's int4 layers
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and not is_routing_gate(name):
                 head = parent is model and name == "output"
                 setattr(parent, name, quantized_rows(child.weight, weights, head).linear(
                     child.bias, int4_matmul=int4_matmul, head=head))
