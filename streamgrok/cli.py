@@ -360,6 +360,17 @@ def _add_bench_commands(commands) -> None:
                         help="KV tokens per layer the session holds when it drops")
     resume.add_argument("--trials", type=int, default=5, help="drops and resumes per size")
     _add_served_options(resume)
+    long_stream = benches.add_parser(
+        "long-stream", formatter_class=DEFAULTS,
+        help="one session streams past a million tokens through streamgrok serve: facts "
+             "asked along the way, RSS and KV pages watched")
+    long_stream.add_argument("--tokens", type=int, default=1_000_000,
+                             help="tokens to stream into the session")
+    long_stream.add_argument("--checks", type=int, default=6,
+                             help="facts stated and asked for along the stream (the first, "
+                                  "early, is the baseline)")
+    long_stream.add_argument("--seed", type=int, default=0, help="which passwords")
+    _add_served_options(long_stream)
     live = benches.add_parser("live", formatter_class=DEFAULTS,
                               help="N live websocket clients per row: answers, TTFT, TBT, "
                                    "frames processed and dropped, server CPU")
@@ -615,6 +626,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from streamgrok.bench.live import run_live_bench
 
         run_live_bench(args)
+        return 0
+    if args.bench == "long-stream":
+        from streamgrok.bench.long_stream import run_long_stream_bench
+
+        run_long_stream_bench(args)
         return 0
     if args.bench == "resume":
         from streamgrok.bench.resume import run_resume_bench

@@ -517,3 +517,50 @@ async def test_a_text_models_notes_stay_beside_questions_not_in_the_stream(serve
         await runner.set_instructions("Answer in French.")  # Realtime session.update
         assert runner.instructions == "Answer in French."
         assert (await runner.session.cache_info())["layer_tokens"] == before
+
+
+async def test_text_sent_faster_than_the_model_reads_it_is_refused_not_stalled(tiny_loaded):
+    """With the engine held, a client floods input.text: past the session's text queue the
+    texts are refused with `text_backlog` (quickly, so the socket keeps being read), the
+    connection stays up, and every text not refused reaches the stream once the engine goes
+    on; nothing stays queued after."""
+    from streamgrok.engine import EngineConfig
+
+    config = ServerConfig(PIPELINE, port=0, stats_interval_s=0.2, load_tick_s=None,
+                          text_wait_s=0.3,
+                          pipeline_options={"transcribe": "false", "answer_context": "stream"})
+    srv = StreamgrokServer(tiny_loaded, config, CacheConfig(budget_tokens=512, memory_gib=0.05),
+                           EngineConfig(text_queue_tokens=256))
+    await srv.start()
+    try:
+        async with connect(url(srv)) as ws:
+            await start(ws)
+            sent = [f"Item {i}: a lantern by the river." for i in range(40)]
+            before = srv.engine.snapshot()["prefill_tokens"]
+            async with srv.engine.paused():
+                for i, text in enumerate(sent):
+                    await ws.send(json.dumps({"type": "input.text", "id": f"t{i}",
+                                              "text": text}))
+                # messages are handled in order: this one's error comes after every text's
+                await ws.send(json.dumps({"type": "response.cancel", "query_id": "none",
+                                          "id": "last"}))
+                refused = set()
+                while True:  # the held engine reads nothing: past the queue, texts are refused
+                    message = json.loads(await asyncio.wait_for(ws.recv(), 20))
+                    if message["type"] == "error" and message["message_id"] == "last":
+                        break
+                    if message["type"] == "error":
+                        assert message["code"] == "text_backlog", message
+                        refused.add(message["message_id"])
+            accepted = [t for i, t in enumerate(sent) if f"t{i}" not in refused]
+            assert refused and accepted  # the queue took some, then refused the rest
+            await ws.send(json.dumps({"type": "query", "id": "q", "text": "Which item?"}))
+            done, _ = await recv_until(ws, "response.done")
+            assert done["finish_reason"] in ("stop", "length")
+            tokens = sum(len(tiny_loaded.tokenizer.encode(t)) for t in accepted)
+            assert srv.engine.snapshot()["prefill_tokens"] - before >= tokens
+            await ws.send(json.dumps({"type": "session.end"}))
+            await recv_until(ws, "session.ended")
+        assert srv.engine.snapshot()["kv_pages_used"] == 0
+    finally:
+        await srv.stop()

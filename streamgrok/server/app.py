@@ -61,6 +61,9 @@ class ServerConfig:
     pipeline_options: dict = field(default_factory=dict)
     max_message_bytes: int = 2 * 2**20
     max_text_chars: int = 32_768  # input.text and query text (the engine bounds tokens too)
+    # how long an input.text may wait for room in its session's text queue before it is
+    # refused (`text_backlog`); while a connection is backlogged, at once
+    text_wait_s: float = 5.0
     max_inflight_queries: int = 4
     max_media_per_second: int = 30
     media_lane: int = 32  # a client's media messages queued apart from its control messages

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ESSENTIAL = {"response.done", "error", "session.started", "session.ended"}
+BACKLOGGED_WAIT_S = 0.05  # an input.text's wait for room while its connection is backlogged
+TEXT_RETRY_MS = 500  # what a `text_backlog` refusal suggests
 
 
 class ClientConnection(SessionResumption):
@@ -63,6 +65,7 @@ class ClientConnection(SessionResumption):
         self.media_lane = MediaLane(self.config.media_lane)  # media apart from control
         self.audio_resampler = PcmResampler(AUDIO_RATE)  # `audio.format` sets another rate
         self.rate_limited = 0  # media messages dropped over the per-second limit
+        self.text_backlogged = False  # the last input.text found no room in time
         self.rate_limit_reported = float("-inf")
         self.listeners: dict[Any, Callable[[PipelineEvent], None]] = {}  # query id -> HTTP
         self.outbox: deque[tuple[str, str]] = deque()
@@ -215,7 +218,7 @@ class ClientConnection(SessionResumption):
             raise ProtocolError("no_session", f"{kind} before session.start", message.get("id"))
         if kind == "input.text":
             self._check_text_size(message)
-            await self.runner.add_text(message["text"])
+            await self._add_text(message)
         elif kind == "query":
             await self._query(message)
         elif kind == "frames.search":
@@ -329,6 +332,22 @@ class ClientConnection(SessionResumption):
             self.listeners.pop(query_id, None)
             raise
         return query_id
+
+    async def _add_text(self, message: dict) -> None:
+        """Queue a client's text, waiting for room in the session's text queue at most
+        `text_wait_s` (once the connection is backlogged, a moment): past that it is refused
+        with `text_backlog`, not accepted, so the socket keeps being read (a client flooding
+        text would otherwise stall its own keepalive pings until the connection dropped)."""
+        wait = BACKLOGGED_WAIT_S if self.text_backlogged else self.config.text_wait_s
+        try:
+            await asyncio.wait_for(self.runner.add_text(message["text"]), wait)
+        except TimeoutError:
+            self.text_backlogged = True
+            raise ProtocolError(
+                "text_backlog", "the session's text queue is full (the model is behind the "
+                "text sent): this input.text was not accepted; send it again after "
+                f"{TEXT_RETRY_MS} ms", message.get("id")) from None
+        self.text_backlogged = False
 
     def _check_text_size(self, message: dict) -> None:
         text = message["text"]
