@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 EXPORTS = {
-    "load_model": "streamgrok.model.loader",
-    "LoadedModel": "streamgrok.model.loader",
+    "load_model": "streamgrok.loading.loader",
+    "LoadedModel": "streamgrok.loading.loader",
     "SamplingParams": "streamgrok.model.sampling",
     "Engine": "streamgrok.engine",
     "EngineConfig": "streamgrok.engine",
@@ -69,8 +69,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from streamgrok.cache.config import CacheConfig
     from streamgrok.engine import Answer, Engine, EngineConfig, Session
     from streamgrok.errors import StreamgrokError
+    from streamgrok.loading.loader import LoadedModel, load_model
     from streamgrok.media.items import AudioChunk, FrameTokens, Note, VideoFrame
-    from streamgrok.model.loader import LoadedModel, load_model
     from streamgrok.model.sampling import SamplingParams
     from streamgrok.pipeline import (
         At,

@@ -48,7 +48,7 @@ def native_int4():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct GGUF, float32, loaded once per test run."""
-    from streamgrok.model.loader import load_model
+    from streamgrok.loading.loader import load_model
 
     return load_model(dtype=torch.float32)
 
@@ -65,7 +65,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_loaded(tiny_gguf):
     """`tiny_gguf` loaded like a real model, once per test module."""
-    from streamgrok.model.loader import load_model
+    from streamgrok.loading.loader import load_model
 
     return load_model(tiny_gguf)
 

@@ -9,7 +9,7 @@ from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.kv_group import KVGroup
 from streamgrok.engine import Engine, EngineConfig
 from streamgrok.engine.kv_leader import follow
-from streamgrok.model.loader import load_model
+from streamgrok.loading.loader import load_model
 from streamgrok.model.sampling import SamplingParams
 
 CACHE = CacheConfig(policy="h2o", budget_tokens=96, memory_gib=0.01)

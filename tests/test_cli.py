@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from streamgrok.cli import POLICIES, build_parser, resolve_pipeline
-from streamgrok.cli_sources import apply_sources, env_name, read_config, settings, subcommands
+from streamgrok.cli import build_parser
+from streamgrok.cli.options import POLICIES, resolve_pipeline
+from streamgrok.cli.sources import apply_sources, env_name, read_config, settings, subcommands
 
 
 def parsed(argv, config=None, environ=None) -> argparse.Namespace:

@@ -18,6 +18,7 @@ from helpers import (
     write_gguf,
 )
 
+from streamgrok.loading.loader import load_model
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import (
     COMPILED_DECODE_ENV,
@@ -25,7 +26,6 @@ from streamgrok.model.compiled_decode import (
     CompiledDecode,
 )
 from streamgrok.model.contiguous_cache import ContiguousKVCache
-from streamgrok.model.loader import load_model
 from streamgrok.model.quantized import Int4Linear, quantize_model
 
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from helpers import random_model, tiny_config, write_gguf
 
+from streamgrok.loading.loader import load_model
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.generate import Generator
-from streamgrok.model.loader import load_model
 from streamgrok.model.quantized import (
     Int8Linear,
     prefill_attention_dtype,

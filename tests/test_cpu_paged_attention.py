@@ -173,7 +173,7 @@ async def test_engine_answers_are_the_same_with_the_native_kernel(tmp_path):
 
     from streamgrok.cache.config import CacheConfig
     from streamgrok.engine import Engine, EngineConfig
-    from streamgrok.model.loader import load_model
+    from streamgrok.loading.loader import load_model
 
     config = tiny_config(hidden_size=192, num_heads=6, num_kv_heads=2, head_dim=32,
                          max_positions=4096)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 async def test_engine_on_cuda_triton_matches_the_references_and_samples_on_the_device(
         tmp_path):
     from streamgrok.engine import Engine, EngineConfig
-    from streamgrok.model.loader import load_model
+    from streamgrok.loading.loader import load_model
     from streamgrok.model.sampling import SamplingParams
 
     config = tiny_config(hidden_size=192, num_heads=6, num_kv_heads=2, head_dim=32,

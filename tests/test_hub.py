@@ -13,7 +13,7 @@ import pytest
 from vlm_helpers import smolvlm_folder
 
 from streamgrok.errors import ModelLoadError
-from streamgrok.model.hub import is_hub_name, resolve
+from streamgrok.loading.hub import is_hub_name, resolve
 
 pytest.importorskip("transformers")
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

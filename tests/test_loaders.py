@@ -12,9 +12,9 @@ import torch
 from helpers import random_model, tiny_config, write_gguf, write_hf_folder
 
 from streamgrok.errors import ModelLoadError, UnsupportedArchitecture, UnsupportedQuantization
+from streamgrok.loading.loader import load_model
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
-from streamgrok.model.loader import load_model
 
 Q = gguf.GGMLQuantizationType
 

@@ -170,7 +170,7 @@ def test_eager_decode_steps_attend_by_the_native_kernel(tiny, dtype, monkeypatch
 
 
 def test_an_unknown_kv_cache_dtype_is_a_clear_error():
-    from streamgrok.cli import CHAT_KV_DTYPES
+    from streamgrok.cli.options import CHAT_KV_DTYPES
     from streamgrok.model.generate import KV_CACHE_DTYPES, kv_cache_dtype
 
     assert kv_cache_dtype("int8") == torch.int8

@@ -12,10 +12,10 @@ from moe_helpers import LAYOUTS, hf_moe_model, write_hf_moe_folder, write_moe_gg
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine, EngineConfig
+from streamgrok.loading.loader import load_model
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.generate import Generator
-from streamgrok.model.loader import load_model
 from streamgrok.model.moe import MoEFeedForward
 from streamgrok.model.sampling import SamplingParams
 

@@ -238,7 +238,7 @@ def test_an_engine_whose_reads_compile_imports_the_compiler_when_it_is_made(tmp_
         from pathlib import Path
         from helpers import random_model, tiny_config, write_gguf
         from streamgrok.engine import Engine
-        from streamgrok.model.loader import load_model
+        from streamgrok.loading.loader import load_model
 
         loaded = load_model(write_gguf(Path(sys.argv[1]) / "tiny.gguf",
                                        random_model(tiny_config())))

@@ -37,7 +37,7 @@ def test_measured_processes_wait_as_openmp_does_by_default(monkeypatch):
 def test_the_command_line_sets_it_before_torch_loads(given, seen):
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     env.update(given)
-    probe = ("import os, sys; import streamgrok.cli as cli; cli._process_defaults(); "
+    probe = ("import os, sys; import streamgrok.cli.entry as cli; cli.process_defaults(); "
              "print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                          text=True, check=True).stdout.split()

@@ -53,7 +53,7 @@ def test_the_installed_package_finds_its_files_without_the_checkout(wheel, tmp_p
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     probe = "\n".join([
-        "from streamgrok.cli import resolve_pipeline",
+        "from streamgrok.cli.options import resolve_pipeline",
         "from streamgrok.server.app import STATIC_DIR",
         "from streamgrok.pipeline.loader import load_pipeline",
         "path = resolve_pipeline('live_qa')",

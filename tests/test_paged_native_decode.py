@@ -140,7 +140,7 @@ async def test_the_engine_decodes_natively_while_other_sessions_stream(tiny_gguf
     import asyncio
 
     from streamgrok.engine import Engine, EngineConfig
-    from streamgrok.model.loader import load_model
+    from streamgrok.loading.loader import load_model
     from streamgrok.model.sampling import SamplingParams
 
     loaded = load_model(tiny_gguf, weights="q4")

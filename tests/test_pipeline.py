@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from streamgrok.cache.config import CacheConfig
+from streamgrok.cli.run_pipeline import parse_time
 from streamgrok.engine import Engine, EngineConfig
 from streamgrok.media.items import Note
 from streamgrok.media.samples import Scene, write_clip
@@ -14,7 +15,6 @@ from streamgrok.pipeline import Edge, IngestConfig, Stage, run_chain
 from streamgrok.pipeline.loader import PipelineLoadError, load_pipeline
 from streamgrok.pipeline.pipeline import PipelineRunner
 from streamgrok.pipeline.triggers import At
-from streamgrok.run import parse_time
 
 PIPELINES = Path(__file__).parent.parent / "pipelines"
 
@@ -261,9 +261,9 @@ def test_frame_encoders_are_loaded_once_per_process_not_per_session(monkeypatch)
 async def test_run_output_labels_questions_and_keeps_progress_out_of_answer_lines():
     import io
 
+    from streamgrok.cli.run_pipeline import progress_line
     from streamgrok.pipeline.events import DeltaEvent, DoneEvent, NoteEvent, QuestionEvent
     from streamgrok.pipeline.sinks import StdoutSink
-    from streamgrok.run import progress_line
 
     out = io.StringIO()
     sink = StdoutSink(out, progress_stream=out)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import random_model, tiny_config, write_gguf
 
+from streamgrok.loading.loader import build_model, load_model
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
-from streamgrok.model.loader import build_model, load_model
 from streamgrok.model.quantized import (
     DEQUANTIZED_MIN_ROWS,
     Int4Linear,

@@ -1,7 +1,8 @@
 """Two `streamgrok serve` replicas behind nginx with the shipped recipe
 (deploy/nginx/streamgrok.conf): each session stays on one replica, HTTP questions about a live
 stream reach its replica, and a replica going away fails only its own sessions, which
-reconnect onto the other."""
+reconnect onto the other; a dropped session resumes on its replica, and from the shared state
+folder on the other replica once its own has drained."""
 
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (a
                                 "install nginx-light; `make test` installs it as root)")
 
 
-async def start_replica(model: Path, name: str) -> tuple[asyncio.subprocess.Process, int]:
+async def start_replica(model: Path, name: str, *extra: str
+                        ) -> tuple[asyncio.subprocess.Process, int]:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "streamgrok", "serve", "pipelines/live_qa.py", "--port", "0",
         "--model", str(model), "--kv-budget", "512", "--kv-memory-gib", "0.05",
-        "--set", "transcribe=false", "--replica-name", name, "--load-tick", "0",
+        "--set", "transcribe=false", "--replica-name", name, "--load-tick", "0", *extra,
         stdout=asyncio.subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     while True:
@@ -165,6 +167,68 @@ async def test_sessions_keep_their_replica_and_survive_the_other_going_away(tiny
             sockets.append(ws)
             assert started["replica"] == "rB"
             assert (await ask(ws, "back?"))["finish_reason"] in ("stop", "length")
+    finally:
+        for ws in sockets:
+            await ws.close()
+        nginx.terminate()
+        nginx.wait(timeout=10)
+        for process in (a, b):
+            if process.returncode is None:
+                process.terminate()
+                await process.wait()
+
+
+async def resume(port: int, key: str, handle: str):
+    """Reconnect through the proxy with the stream's affinity key and resume."""
+    ws = await connect(f"ws://127.0.0.1:{port}/ws?affinity={key}")
+    await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
+    return ws, await recv_until(ws, "session.resumed")
+
+
+async def held_tokens(ws) -> list[int]:
+    """What each layer of the session holds, once two stats in a row agree (prefilled)."""
+    last = None
+    while (now := (await recv_until(ws, "stats"))["kv"]["layer_tokens"]) != last:
+        last = now
+    return now
+
+
+async def test_a_dropped_session_resumes_on_its_replica_or_from_the_shared_state(tiny_gguf,
+                                                                                 tmp_path):
+    state = tmp_path / "state"
+    extra = ("--resume-ttl", "120", "--state-dir", str(state))
+    (a, port_a), (b, port_b) = await asyncio.gather(start_replica(tiny_gguf, "rA", *extra),
+                                                    start_replica(tiny_gguf, "rB", *extra))
+    replicas = {"rA": a, "rB": b}
+    proxy = free_port()
+    (tmp_path / "nginx").mkdir()
+    nginx = start_nginx(tmp_path / "nginx", proxy, [port_a, port_b])
+    sockets = []
+    try:
+        await wait_healthy(proxy, nginx)
+        ws, started = await open_session(proxy, "phone-1")
+        home, handle = started["replica"], started["resume"]["handle"]
+        await ws.send(json.dumps({"type": "input.text", "text": "The gate code is 4312."}))
+        tokens = await held_tokens(ws)
+        await ws.close()  # the network drops: the session waits, detached, on its replica
+
+        ws, resumed = await resume(proxy, "phone-1", handle)
+        sockets.append(ws)
+        assert resumed["replica"] == home  # the key brought the client back to its replica
+        assert await held_tokens(ws) == tokens
+        handle = resumed["resume"]["handle"]
+        await ws.close()
+
+        # its replica is redeployed: SIGTERM drains it, saving the detached session in the
+        # folder both replicas share; the key now reaches the other one, which restores it
+        replicas[home].send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(replicas[home].wait(), 60) == 0
+        assert list(state.glob("*.json"))
+        ws, resumed = await resume(proxy, "phone-1", handle)
+        sockets.append(ws)
+        assert resumed["replica"] != home
+        assert await held_tokens(ws) == tokens  # the same context
+        assert (await ask(ws, "What is the gate code?"))["finish_reason"] in ("stop", "length")
     finally:
         for ws in sockets:
             await ws.close()

@@ -10,9 +10,9 @@ from helpers import write_gguf
 from vlm_helpers import IMAGE_SPECIALS, IMAGE_TOKEN, llava_folder, smolvlm_folder, write_mmproj
 
 from streamgrok.errors import ModelLoadError, UnsupportedArchitecture
+from streamgrok.loading.loader import load_model
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.contiguous_cache import ContiguousKVCache
-from streamgrok.model.loader import load_model
 from streamgrok.vision.mmproj import load_mmproj
 
 pytest.importorskip("transformers")

@@ -14,8 +14,8 @@ from vlm_helpers import smolvlm_folder
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.tokens import MODALITY, SOURCE
 from streamgrok.engine import Engine, EngineConfig
+from streamgrok.loading.loader import load_model
 from streamgrok.media.samples import Scene, write_clip
-from streamgrok.model.loader import load_model
 from streamgrok.model.sampling import SamplingParams
 from streamgrok.pipeline import IngestConfig
 from streamgrok.pipeline.pipeline import DEFAULT_VISION_SYSTEM, Pipeline, PipelineRunner

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.paged_cache import PagedKVCache
-from streamgrok.model.loader import LoadedModel
+from streamgrok.loading.loader import LoadedModel
 
 
 def bench_cache(loaded: LoadedModel, policy: str, budget: int | None, memory_gib: float = 1.0,

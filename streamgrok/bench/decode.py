@@ -31,7 +31,7 @@ def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
     unless its entry names its own, `FORMAT:KV` (`q4:int8`: q4 weights, int8 K/V)."""
     import torch
 
-    from streamgrok.model.loader import default_model_path
+    from streamgrok.loading.loader import default_model_path
 
     model_path = Path(model) if model else default_model_path()
     threads = threads or torch.get_num_threads()

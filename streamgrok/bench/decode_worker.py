@@ -17,11 +17,11 @@ import torch
 
 from streamgrok.bench.corpus import prose_text
 from streamgrok.bench.timing import median, timed
+from streamgrok.loading.loader import LoadedModel, load_model
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.compiled_decode import CompiledDecode
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.generate import Generator, kv_cache_dtype
-from streamgrok.model.loader import LoadedModel, load_model
 from streamgrok.model.quantized import (
     cache_dtype,
     prefill_attention_dtype,

@@ -27,9 +27,9 @@ from streamgrok.bench.grounding_clips import fixed_clips, generated_clips
 from streamgrok.bench.grounding_questions import Clip, Question, invented, invented_names
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine
+from streamgrok.loading.loader import LoadedModel
 from streamgrok.media.native_pool import NativeMediaPool
 from streamgrok.media.samples import write_clip
-from streamgrok.model.loader import LoadedModel
 from streamgrok.pipeline.events import DoneEvent, NoteEvent
 from streamgrok.pipeline.loader import load_pipeline
 from streamgrok.pipeline.pipeline import PipelineRunner

@@ -19,8 +19,8 @@ from streamgrok.bench.recall import RecallBenchOptions
 from streamgrok.bench.timing import median, timed
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.streaming import feed, greedy_continue
+from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.batch import BatchMetadata
-from streamgrok.model.loader import LoadedModel
 
 EVICTING = ("sink_window", "h2o", "snapkv", "redundancy", "pyramid")
 PASSKEY_FILLER = (

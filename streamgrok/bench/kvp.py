@@ -22,8 +22,8 @@ from streamgrok.bench.corpus import stdlib_text
 from streamgrok.bench.kv_ranks import StreamResult, StreamScenario, run_ranks
 from streamgrok.bench.timing import measurement_env, median
 from streamgrok.cache.config import CacheConfig
+from streamgrok.loading.loader import LoadedModel, load_model
 from streamgrok.model.llama import Transformer
-from streamgrok.model.loader import LoadedModel, load_model
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ from streamgrok.bench.moe_gguf import MoEShape, write_random_moe_gguf
 from streamgrok.bench.timing import measurement_env, median
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.pikv import ExpertShardedKV
+from streamgrok.loading.loader import LoadedModel, load_model
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.llama import Transformer
-from streamgrok.model.loader import LoadedModel, load_model
 from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 
 

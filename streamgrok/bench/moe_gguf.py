@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 
-from streamgrok.model.loader import default_model_path
+from streamgrok.loading.loader import default_model_path
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from streamgrok.bench.corpus import long_ids, stdlib_text
 from streamgrok.bench.timing import median, timed
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.streaming import feed
+from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.batch import BatchMetadata
-from streamgrok.model.loader import LoadedModel
 from streamgrok_kernels.ops import KernelOps
 
 SHAPES = ((1, 512), (1, 2048), (8, 512), (8, 2048), (32, 512))  # (sequences, cached tokens)

@@ -34,8 +34,8 @@ from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.recall import attention_scale, causal_logits
 from streamgrok.cache.streaming import feed
 from streamgrok.cache.tokens import STREAM
+from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.batch import BatchMetadata
-from streamgrok.model.loader import LoadedModel
 
 STREAM_KINDS = ("prose", "notes")
 # recall off; recall of the budget only (the guard off); recall with the guard (the default)

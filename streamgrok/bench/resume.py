@@ -89,7 +89,9 @@ async def measure_size(server: ServerProcess, tokens: int, trials: int) -> SizeR
         chunk, held, last = 0, 0, -1
         while held < tokens or held != last:  # until it holds `tokens` and prefill is done
             if held == last and held < tokens:  # the last chunk is in: send the next
-                await ws.send(json.dumps({"type": "input.text", "text": filler(chunk, 300)}))
+                words = 2000 if tokens - held > 8000 else 300  # big steps while far off
+                await ws.send(json.dumps({"type": "input.text",
+                                          "text": filler(chunk, words)}))
                 chunk += 1
             last, held = held, await layer_tokens(ws)
         result.tokens = held

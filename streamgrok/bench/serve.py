@@ -16,7 +16,7 @@ from streamgrok.bench.timing import percentile
 from streamgrok.cache.config import CacheConfig
 from streamgrok.engine import Engine, EngineConfig
 from streamgrok.engine.metrics import AnswerMetrics
-from streamgrok.model.loader import LoadedModel
+from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.sampling import SamplingParams
 from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
 

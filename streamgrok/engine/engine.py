@@ -44,8 +44,8 @@ from streamgrok.engine.scheduler import Scheduler
 from streamgrok.engine.session import Answer, Session
 from streamgrok.engine.state import AnswerState, SessionState
 from streamgrok.errors import RequestTooLarge, StreamgrokError
+from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.detokenizer import IncrementalDetokenizer
-from streamgrok.model.loader import LoadedModel
 from streamgrok.model.sampling import SamplingParams, new_generator
 from streamgrok.runtime import StepTimer, release_free_memory
 from streamgrok.stream_tokens import TokenInfo

@@ -19,9 +19,9 @@ from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.kv_group import KVGroup, KVParallelError
 from streamgrok.cache.kv_parallel import KVParallelCache
 from streamgrok.errors import StreamgrokError
+from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.llama import Transformer
-from streamgrok.model.loader import LoadedModel
 
 log = logging.getLogger("streamgrok.kv_parallel")
 

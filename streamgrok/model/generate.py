@@ -8,15 +8,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from streamgrok.model.batch import BatchMetadata
+from streamgrok.model.config import ModelConfig
 from streamgrok.model.contiguous_cache import ContiguousKVCache
 from streamgrok.model.detokenizer import IncrementalDetokenizer
-from streamgrok.model.loader import LoadedModel
+from streamgrok.model.llama import Transformer
 from streamgrok.model.quantized import cache_dtype, prefill_attention_dtype
 from streamgrok.model.sampling import SamplingParams, new_generator, sample
+from streamgrok.model.tokenizer import Tokenizer
+
+
+class ReadyModel(Protocol):
+    """What generation needs of a loaded model (`streamgrok.loading.loader.LoadedModel`)."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    config: ModelConfig
 
 
 @dataclass
@@ -40,9 +51,9 @@ def kv_cache_dtype(name: str) -> torch.dtype:
 
 
 class Generator:
-    """Runs prompts through a LoadedModel on its own contiguous cache."""
+    """Runs prompts through a loaded model on its own contiguous cache."""
 
-    def __init__(self, loaded: LoadedModel, max_batch: int = 1, capacity: int | None = None,
+    def __init__(self, loaded: ReadyModel, max_batch: int = 1, capacity: int | None = None,
                  kv_dtype: torch.dtype | None = None):
         """`kv_dtype`: the cache's K/V dtype (float32, bfloat16, or int8 with a scale per
         token and head); None: `streamgrok.model.quantized.cache_dtype`."""

@@ -61,6 +61,18 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _TEXT_PREFIXES = [("model.text_model.", "model."), ("model.language_model.", "model."),
                   ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")]
 _TEXT_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+# vision-language folders whose language model loads here (their towers: streamgrok.vision)
+VLM_ARCHITECTURES = {
+    "SmolVLMForConditionalGeneration": "idefics3",
+    "Idefics3ForConditionalGeneration": "idefics3",
+    "LlavaForConditionalGeneration": "llava",
+}
+
+
+def vlm_family(raw: dict[str, Any]) -> str | None:
+    """idefics3 or llava when config.json is a supported vision-language model."""
+    archs = raw.get("architectures") or []
+    return VLM_ARCHITECTURES.get(archs[0]) if archs else None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -75,8 +87,6 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def config_from_hf(folder: Path, raw: dict[str, Any] | None = None) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face config.json."""
-    from streamgrok.vision.hf_folder import VLM_ARCHITECTURES, vlm_family
-
     raw = read_json(folder / "config.json") if raw is None else raw
     archs = raw.get("architectures") or [raw.get("model_type", "?")]
     arch = _ARCHITECTURES.get(archs[0])

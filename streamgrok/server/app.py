@@ -23,8 +23,8 @@ from streamgrok.cache.kv_group import KVGroup
 from streamgrok.engine import Engine
 from streamgrok.engine.config import EngineConfig
 from streamgrok.errors import StreamgrokError
+from streamgrok.loading.loader import LoadedModel
 from streamgrok.media.native_pool import NativeMediaPool
-from streamgrok.model.loader import LoadedModel
 from streamgrok.pipeline.loader import load_pipeline
 from streamgrok.pipeline.options import check_client_options
 from streamgrok.pipeline.pipeline import Pipeline

@@ -10,7 +10,13 @@ from typing import Any
 import torch
 
 from streamgrok.errors import ModelLoadError, UnsupportedArchitecture
-from streamgrok.model.hf_loader import iter_hf_state_dict, read_json, renamed
+from streamgrok.model.hf_loader import (
+    VLM_ARCHITECTURES,
+    iter_hf_state_dict,
+    read_json,
+    renamed,
+    vlm_family,
+)
 from streamgrok.vision.config import (
     IMAGENET_STANDARD,
     OPENAI_CLIP_MEAN,
@@ -22,11 +28,6 @@ from streamgrok.vision.config import (
 )
 from streamgrok.vision.encoder import VisionEncoder, build_encoder
 
-VLM_ARCHITECTURES = {
-    "SmolVLMForConditionalGeneration": "idefics3",
-    "Idefics3ForConditionalGeneration": "idefics3",
-    "LlavaForConditionalGeneration": "llava",
-}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu",
                 "quick_gelu": "quick_gelu"}
 _RESAMPLE = {1: "lanczos", 2: "bilinear", 3: "bicubic"}
@@ -38,12 +39,6 @@ _PREFIXES = {
               ("model.multi_modal_projector.", "connector."),
               ("multi_modal_projector.", "connector.")],
 }
-
-
-def vlm_family(raw: dict[str, Any]) -> str | None:
-    """idefics3 or llava when config.json is a supported vision-language model."""
-    archs = raw.get("architectures") or []
-    return VLM_ARCHITECTURES.get(archs[0]) if archs else None
 
 
 def vision_configs(raw: dict[str, Any], family: str, processor: dict[str, Any],

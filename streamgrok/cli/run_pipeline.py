@@ -1,4 +1,5 @@
-"""`streamgrok run PIPELINE.py --source ...`: run a pipeline file on a file or URL."""
+"""Running a pipeline file on a file or URL, for `streamgrok run` (imported when the command
+runs: it brings the engine and torch)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import sys
 from typing import Any
 
 from streamgrok.cache.config import CacheConfig
+from streamgrok.cli.options import parse_options
 from streamgrok.engine import Engine
+from streamgrok.loading.loader import LoadedModel
 from streamgrok.media.native_pool import NativeMediaPool
-from streamgrok.model.loader import LoadedModel
 from streamgrok.pipeline.loader import load_pipeline
 from streamgrok.pipeline.pipeline import Pipeline, PipelineRunner
 from streamgrok.pipeline.resources import SharedResources
@@ -28,16 +30,6 @@ def parse_time(text: str) -> float:
     if not text or match is None:
         raise ValueError(f"not a time: {text!r} (use 10s, 1m30s or 1:30)")
     return float(match.group(1) or 0) * 60 + float(match.group(2) or 0)
-
-
-def parse_options(pairs: list[str]) -> dict[str, Any]:
-    options = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--set takes key=value, got {pair!r}")
-        key, value = pair.split("=", 1)
-        options[key.strip()] = value
-    return options
 
 
 def progress_line(info: dict) -> str:
@@ -131,14 +123,12 @@ async def _run_pipeline(
     return 0
 
 
-def run_command(loaded: LoadedModel, args) -> int:
+def run_command(loaded: LoadedModel, args, cache: CacheConfig) -> int:
+    """Run `args.pipeline` on `args.source` with the questions `--ask`/`--ask-at` give."""
     asks = [(None, q) for q in args.ask or []]
     asks += [(parse_time(t), q) for t, q in args.ask_at or []]
     options = parse_options(args.set or [])
     if args.live:
         options["live"] = "true"
-    from streamgrok.cli import cache_config
-
-    cache = cache_config(args, kv_dtype=args.kv_dtype)
     return asyncio.run(run_pipeline_file(loaded, args.pipeline, args.source, options, asks,
                                          cache, args.jsonl, not args.quiet_notes))

@@ -14,7 +14,12 @@ import torch
 from streamgrok.errors import ModelLoadError
 from streamgrok.model.config import ModelConfig
 from streamgrok.model.gguf_loader import iter_state_dict, open_gguf
-from streamgrok.model.hf_loader import config_from_hf, iter_hf_state_dict, read_json
+from streamgrok.model.hf_loader import (
+    config_from_hf,
+    iter_hf_state_dict,
+    read_json,
+    vlm_family,
+)
 from streamgrok.model.layers import FeedForward
 from streamgrok.model.llama import Attention, Transformer, fuse_projections
 from streamgrok.model.quantized import (
@@ -309,7 +314,7 @@ def _built(config: ModelConfig, tensors: Callable[[], Iterable[tuple[str, torch.
 
 def _folder_vision(folder: Path, raw: dict, dtype: torch.dtype,
                    device) -> VisionEncoder | None:
-    from streamgrok.vision.hf_folder import load_hf_vision, vlm_family
+    from streamgrok.vision.hf_folder import load_hf_vision
 
     return load_hf_vision(folder, raw, dtype, device) if vlm_family(raw) else None
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import psutil
 
 from streamgrok.cache.config import CacheConfig
-from streamgrok.model.loader import LoadedModel
+from streamgrok.loading.loader import LoadedModel
 
 MIB = 2**20
 
