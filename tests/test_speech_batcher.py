@@ -1,5 +1,7 @@
-"""The shared speech recogniser: segments of several sessions packed into one call and handed
-back by their words' times; a bounded queue; the real Whisper on packed espeak-ng speech."""
+"""The shared speech recogniser: segments of several sessions recognised one after another (or
+packed into one call and handed back by their words' times); a bounded queue; the real
+Whisper on espeak-ng speech of several sessions, its encoder reading each segment and a few
+seconds after it, not a 30-s window."""
 
 from __future__ import annotations
 
@@ -38,9 +40,27 @@ def segment(level: float, seconds: int) -> np.ndarray:
     return np.full(seconds * RATE, level, dtype=np.float32)
 
 
-async def test_waiting_segments_share_one_call_and_get_their_own_words():
+async def test_waiting_segments_are_recognised_one_by_one_oldest_first():
     recogniser = LoudRecogniser()
     batcher = SpeechBatcher(recogniser)
+    try:
+        first = asyncio.create_task(batcher.transcribe_async(segment(0.3, 1)))
+        await asyncio.sleep(0.05)
+        rest = [asyncio.create_task(batcher.transcribe_async(segment(level, 2)))
+                for level in (0.5, 0.7)]
+        await asyncio.sleep(0.05)
+        recogniser.gate.set()
+        heard = await asyncio.wait_for(asyncio.gather(first, *rest), 10)
+    finally:
+        batcher.close()
+    assert [t.text for t in heard] == ["w3", "w5", "w7"]
+    assert recogniser.calls == [1.0, 2.0, 2.0]
+    assert batcher.stats.calls == 3 and batcher.stats.segments == 3
+
+
+async def test_packed_segments_share_one_call_and_get_their_own_words():
+    recogniser = LoudRecogniser()
+    batcher = SpeechBatcher(recogniser, packs=True)
     try:
         first = asyncio.create_task(batcher.transcribe_async(segment(0.3, 1)))
         await asyncio.sleep(0.05)  # the worker took it and waits at the gate
@@ -84,7 +104,7 @@ def test_words_go_to_the_segment_their_middle_falls_in():
 
 
 @pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="espeak-ng is not installed")
-async def test_whisper_hears_packed_sentences_of_several_sessions_apart():
+async def test_whisper_hears_the_sentences_of_several_sessions_apart():
     from streamgrok.media.samples import speak
     from streamgrok.media.transcribers import WhisperTranscriber
 
@@ -92,27 +112,36 @@ async def test_whisper_hears_packed_sentences_of_several_sessions_apart():
                  "Two people are waiting at the front door."]
     clips = [speak(text, voice=voice) for text, voice in zip(sentences, ("en", "en-us", "en+f3"))]
     whisper = WhisperTranscriber("base")
-    gate = threading.Event()
-    recognise = whisper.transcribe
+    encode = whisper.model.encode.encode
+    frames: list[int] = []
 
-    def held(samples, rate):
-        gate.wait(10)
-        return recognise(samples, rate)
+    def recorded(features):
+        frames.append(features.shape[-1])
+        return encode(features)
 
-    whisper.transcribe = held
+    whisper.model.encode.encode = recorded
     batcher = SpeechBatcher(whisper)
     try:
-        first = asyncio.create_task(batcher.transcribe_async(clips[0][:RATE // 2]))
-        await asyncio.sleep(0.05)  # the worker holds this half second at the gate
-        packed = [asyncio.create_task(batcher.transcribe_async(c)) for c in clips]
-        await asyncio.sleep(0.05)
-        gate.set()
-        await first
-        heard = await asyncio.wait_for(asyncio.gather(*packed), 120)
+        heard = await asyncio.wait_for(asyncio.gather(
+            *(batcher.transcribe_async(c) for c in clips)), 120)
     finally:
         batcher.close()
-    assert batcher.stats.calls == 2 and batcher.stats.segments == 4
+    assert batcher.stats.calls == 3 and batcher.stats.segments == 3
     for text, transcript in zip(sentences, heard):
         words = {w.strip(".,").lower() for w in transcript.text.split()}
         expected = {w.strip(".,").lower() for w in text.split()}
         assert len(words & expected) >= len(expected) - 2, (text, transcript.text)
+    # each encoder call read its segment and 5 s after it, not a 30-s window of 3000 frames
+    assert frames and all(n <= len(c) / RATE * 100 + 500 + 2 for n, c in zip(frames, clips))
+
+
+def test_the_padding_trim_keeps_the_speech_and_the_asked_silence():
+    from streamgrok.media.transcribers import PaddingTrim
+
+    seen = []
+    trim = PaddingTrim(lambda features: seen.append(features.shape) or "encoded", frames=50)
+    features = np.zeros((80, 3000), dtype=np.float32)
+    features[:, :301] = -0.5  # 3 s of log-mel, then faster-whisper's zero padding
+    assert trim(features) == "encoded" and seen[-1] == (80, 352)  # 301 + 50, made even
+    trim(np.full((1, 80, 3000), -0.5, dtype=np.float32))
+    assert seen[-1] == (1, 80, 3000)  # a full window stays whole

@@ -25,7 +25,12 @@ import psutil
 
 from streamgrok.bench.live_client import PHOTOS, ClientResult, frame_bytes, live_client
 from streamgrok.bench.server_process import ServerProcess, serve_arguments, settle
-from streamgrok.bench.speech_track import SpeechTrack, sentence_clips, word_error_rate
+from streamgrok.bench.speech_track import (
+    SpeechTrack,
+    sentence_clips,
+    speech_line,
+    speech_summary,
+)
 from streamgrok.bench.timing import percentile
 from streamgrok.openmp_wait import set_idle_spin
 from streamgrok.server.load import tree_cpu_seconds
@@ -68,16 +73,8 @@ class Row:
         return counts
 
     def speech(self, within_s: float = 3.0) -> dict | None:
-        """Sentences said, transcribed, transcribed within `within_s` of their end, the
-        delay p50/p95 and the WER, over every speaking client (None: nobody spoke)."""
-        matched = [m for r in self.results for m in r.speech.matches(r.spoken)]
-        if not matched:
-            return None
-        delays = [late for _, _, late in matched if late is not None]
-        return {"said": len(matched), "transcribed": len(delays),
-                "in_time": sum(1 for d in delays if d <= within_s),
-                "delay_p50": percentile(delays, 50), "delay_p95": percentile(delays, 95),
-                "wer": word_error_rate([(s.text, heard) for s, heard, _ in matched])}
+        """`speech_summary` of the row's clients."""
+        return speech_summary(self.results, within_s)
 
     def recognisers(self) -> dict[str, dict]:
         """What the server's shared speech recognisers did during the row (from the clients'
@@ -176,11 +173,7 @@ def print_rows(rows: list[Row]) -> None:
                   f"p95 {_ms(asr['wait_p95_s'] or float('nan'))} ms, "
                   f"{asr['dropped']} left unrecognised (queue full)")
         if (speech := row.speech()) is not None:
-            print(f"N={row.clients} speech: {speech['said']} sentences said, "
-                  f"{speech['transcribed']} transcribed, {speech['in_time']} within 3 s of "
-                  f"their end ({speech['in_time'] / speech['said']:.0%}); delay p50 "
-                  f"{_ms(speech['delay_p50'])} ms, p95 {_ms(speech['delay_p95'])} ms; "
-                  f"WER {speech['wer']:.1%}")
+            print(f"N={row.clients} speech: {speech_line(speech)}")
     for row in rows:
         served = [r for r in row.results if r.asked]
         if len(served) > 1:

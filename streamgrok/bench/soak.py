@@ -3,7 +3,9 @@
 The server runs as its own process on loopback. First one client alone measures the idle
 time to first token (the baseline, in the same run) and warms the server up; the server's
 RSS then is the baseline memory. Then N clients each stream a 320x240 JPEG a second and a
-second of PCM audio a second and ask a question every `--ask-every` seconds, for `--seconds`.
+second of PCM audio a second (espeak-ng sentences about half the time, as `bench live`'s
+speaking clients, or room noise with `--no-speech`) and ask a question every `--ask-every`
+seconds, for `--seconds`.
 Optionally a storm of K clients connects, asks and drops mid-answer. At the end: per-client
 answers, errors, TTFT p50/p95 against the idle baseline, server RSS start/peak/end, KV pages
 before/after, frames dropped by reason, and a PNG plot of RSS and TTFT over time.
@@ -26,6 +28,7 @@ from streamgrok.bench.live_client import (
     live_client,
 )
 from streamgrok.bench.server_process import ServerProcess, serve_arguments, settle
+from streamgrok.bench.speech_track import SpeechTrack, sentence_clips, speech_line, speech_summary
 from streamgrok.bench.timing import percentile
 from streamgrok.openmp_wait import set_idle_spin
 from streamgrok.server.protocol import pack_media
@@ -67,8 +70,11 @@ async def _storm(port: int, frame: bytes, result: ClientResult) -> ClientResult:
 
 
 async def run_soak(server_args: list[str], clients: int, seconds: float, ask_every: float,
-                   storm: int, out: Path) -> None:
+                   storm: int, out: Path, speech: bool = True) -> None:
     frames = [frame_bytes(i) for i in range(10 * len(PHOTOS))]
+    clips = sentence_clips() if speech else None
+    if speech and clips is None:
+        print("espeak-ng is not installed: the clients send room noise")
     server = ServerProcess(server_args)
     await server.start()
     samples: list[tuple[float, float]] = []
@@ -92,7 +98,8 @@ async def run_soak(server_args: list[str], clients: int, seconds: float, ask_eve
         live_started = time.monotonic() - started
         results = await asyncio.gather(*(
             live_client(url, f"c{i:02d}", frames, seconds, 1.0, ask_every,
-                        offset=2.0 + ask_every * i / max(1, clients), answer_timeout=90.0)
+                        offset=2.0 + ask_every * i / max(1, clients), answer_timeout=90.0,
+                        speech=SpeechTrack(clips, first=i, seed=i) if clips else None)
             for i in range(clients)))
         live_ended = time.monotonic() - started
         storm_results = []
@@ -136,6 +143,8 @@ def _print_report(results, storm_results, idle_ttft, baseline_mb, peak_mb, end_m
     print("frames dropped by reason: " + ", ".join(
         f"{reason} {sum(r.drops.get(reason, 0) for r in results)}"
         for reason in ("frames", "rate_limited", "outbound")))
+    if (speech := speech_summary(results)) is not None:
+        print(f"speech: {speech_line(speech)}")
     if storm_results:
         failed = sum(r.handshake_failed for r in storm_results)
         print(f"storm: {len(storm_results)} clients connected, asked and dropped mid-answer; "
@@ -175,4 +184,4 @@ def run_soak_bench(args) -> None:
     """Entry point of `streamgrok bench soak`."""
     set_idle_spin()  # the server it starts inherits it
     asyncio.run(run_soak(serve_arguments(args), args.clients, args.seconds, args.ask_every,
-                         args.storm, Path(args.out)))
+                         args.storm, Path(args.out), args.speech))

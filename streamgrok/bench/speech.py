@@ -87,6 +87,7 @@ NAMES = ("maria", "leeds", "patel", "daniel")
 # recogniser's default
 DECODINGS = {
     "beam 5 (default)": {},
+    "beam 5, 30-s window": {"padding_s": None},
     "beam 1": {"beam_size": 1},
     "beam 5, no temperature fallback": {"options": {"temperature": 0.0}},
     "beam 5, patience 2": {"options": {"patience": 2.0}},

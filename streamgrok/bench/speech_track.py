@@ -111,3 +111,33 @@ def word_error_rate(pairs: list[tuple[str, str]]) -> float:
         return float("nan")
     return sentences_wer([r for r, _ in pairs],
                          [h if h.strip() else "<nothing>" for _, h in pairs])
+
+
+def speech_summary(results: list, within_s: float = 3.0) -> dict | None:
+    """Over the live clients' `results` (their `spoken` sentences and `speech` scores):
+    sentences said, transcribed, transcribed within `within_s` of their end, the delay
+    p50/p95 and the WER (None: nobody spoke)."""
+    from streamgrok.bench.timing import percentile
+
+    matched = [m for r in results for m in r.speech.matches(r.spoken)]
+    if not matched:
+        return None
+    delays = [late for _, _, late in matched if late is not None]
+    return {"said": len(matched), "transcribed": len(delays),
+            "in_time": sum(1 for d in delays if d <= within_s),
+            "delay_p50": percentile(delays, 50), "delay_p95": percentile(delays, 95),
+            "wer": word_error_rate([(s.text, heard) for s, heard, _ in matched])}
+
+
+def speech_line(summary: dict) -> str:
+    """`speech_summary` as one report line."""
+    return (f"{summary['said']} sentences said, {summary['transcribed']} transcribed, "
+            f"{summary['in_time']} within 3 s of their end "
+            f"({summary['in_time'] / summary['said']:.0%}); delay p50 "
+            f"{_ms(summary['delay_p50'])} ms, p95 {_ms(summary['delay_p95'])} ms; "
+            f"WER {summary['wer']:.1%}")
+
+
+def _ms(seconds: float) -> str:
+    return "n/a" if seconds != seconds else f"{seconds * 1e3:.0f}"
+

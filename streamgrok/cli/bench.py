@@ -119,6 +119,9 @@ def add_bench_commands(commands) -> None:
     soak.add_argument("--clients", type=int, default=16, help="live clients")
     soak.add_argument("--seconds", type=float, default=300.0, help="how long")
     soak.add_argument("--ask-every", type=float, default=15.0, help="seconds between questions")
+    soak.add_argument("--speech", action=argparse.BooleanOptionalAction, default=True,
+                      help="clients speak espeak-ng sentences about half the time (else room "
+                           "noise)")
     soak.add_argument("--storm", type=int, default=0,
                       help="then this many clients connect, ask and drop mid-answer")
     add_served_options(soak)

@@ -15,6 +15,7 @@ import numpy as np
 from streamgrok.errors import StreamgrokError
 
 RATE = 16_000
+DEFAULT_PADDING_S = 5.0  # silence the encoder reads after a segment (`PaddingTrim`)
 WHISPER_SIZES = ("tiny", "base", "small", "medium", "large-v3", "distil-large-v3",
                  "tiny.en", "base.en", "small.en", "medium.en")
 
@@ -68,14 +69,37 @@ class Transcriber(Protocol):
     def transcribe(self, samples: np.ndarray, rate: int) -> Transcript: ...
 
 
+class PaddingTrim:
+    """A Whisper encoder call (`WhisperModel.encode`) that reads a segment and `frames` mel
+    frames of the silence after it instead of the whole 30 s window faster-whisper pads every
+    segment to: the encoder's cost grows with its input (CTranslate2 takes any length), and
+    a few seconds of silence after the speech keep what the decoder hears as with the full
+    window (`streamgrok bench speech` measures both), where none at all makes it loop."""
+
+    def __init__(self, encode: Any, frames: int) -> None:
+        self.encode = encode
+        self.frames = frames
+
+    def __call__(self, features: np.ndarray) -> Any:
+        # faster-whisper pads with exact zeros; a column of real audio's log-mel never is
+        content = np.flatnonzero(np.any(features != 0.0, axis=tuple(range(features.ndim - 1))))
+        end = min(features.shape[-1], (int(content[-1]) + 1 if content.size else 0)
+                  + self.frames)
+        end += end % 2  # the encoder's convolution halves the frames
+        return self.encode(features[..., :end])
+
+
 class WhisperTranscriber:
     """Whisper through faster-whisper (CTranslate2, int8 on CPU), beam search of 5, word
-    timestamps; its own no-speech and log-probability checks drop non-speech."""
+    timestamps; its own no-speech and log-probability checks drop non-speech. The encoder
+    reads each segment and `padding_s` seconds of silence after it (`PaddingTrim`; None:
+    the whole 30 s window)."""
 
     def __init__(self, model: str = "base", threads: int = 1, device: str = "cpu",
                  compute_type: str = "int8", beam_size: int = 5,
                  language: str | None = "en", initial_prompt: str | None = None,
-                 options: dict[str, Any] | None = None) -> None:
+                 options: dict[str, Any] | None = None,
+                 padding_s: float | None = DEFAULT_PADDING_S) -> None:
         from faster_whisper import WhisperModel
 
         self.name = f"whisper {model}"
@@ -87,6 +111,8 @@ class WhisperTranscriber:
             raise SpeechModelUnavailable(
                 f"cannot load Whisper model {model!r}: {exc}. Offline, use 'base' (packaged) "
                 "or a local faster-whisper folder") from exc
+        if padding_s is not None:
+            self.model.encode = PaddingTrim(self.model.encode, round(padding_s * 100))
         self.beam_size = beam_size
         self.language = language
         self.initial_prompt = initial_prompt
