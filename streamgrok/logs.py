@@ -31,6 +31,9 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # the handler filters too: a library that sets its own logger to DEBUG when imported
+    # (bm25s does) would otherwise write every debug line
+    handler.setLevel(level.upper())
     # uvicorn's own lines, and faster-whisper's line per recognised segment: warnings only
     for noisy in ("uvicorn.access", "uvicorn.error", "faster_whisper"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

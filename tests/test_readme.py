@@ -85,8 +85,8 @@ def test_the_readme_is_short_and_has_the_two_commands():
 def test_every_command_and_flag_the_readme_names_exists():
     commands, options = parser_vocabulary()
     text = README.read_text()
-    named = set(re.findall(r"streamgrok ((?:bench )?[a-z]+)\b", text)) - {"is", "serving",
-                                                                          "import"}
+    named = set(re.findall(r"streamgrok ((?:bench )?[a-z]+(?:-[a-z]+)*)\b", text)) - {
+        "is", "serving", "import"}
     assert named and named <= commands, named - commands
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text))
     assert flags and flags <= options, flags - options
