@@ -62,6 +62,19 @@ def start_nginx(folder: Path, listen: int, replicas: list[int]) -> subprocess.Po
                              str(folder / "nginx.conf")], stderr=subprocess.PIPE)
 
 
+async def stop_all(sockets: list, nginx: subprocess.Popen,
+                   replicas: tuple[asyncio.subprocess.Process, ...]) -> None:
+    """Close the clients, then nginx, then the replicas still running."""
+    for ws in sockets:
+        await ws.close()
+    nginx.terminate()
+    nginx.wait(timeout=10)
+    for process in replicas:
+        if process.returncode is None:
+            process.terminate()
+            await process.wait()
+
+
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as response:
         return json.loads(response.read())
@@ -168,14 +181,7 @@ async def test_sessions_keep_their_replica_and_survive_the_other_going_away(tiny
             assert started["replica"] == "rB"
             assert (await ask(ws, "back?"))["finish_reason"] in ("stop", "length")
     finally:
-        for ws in sockets:
-            await ws.close()
-        nginx.terminate()
-        nginx.wait(timeout=10)
-        for process in (a, b):
-            if process.returncode is None:
-                process.terminate()
-                await process.wait()
+        await stop_all(sockets, nginx, (a, b))
 
 
 async def resume(port: int, key: str, handle: str):
@@ -230,11 +236,4 @@ async def test_a_dropped_session_resumes_on_its_replica_or_from_the_shared_state
         assert await held_tokens(ws) == tokens  # the same context
         assert (await ask(ws, "What is the gate code?"))["finish_reason"] in ("stop", "length")
     finally:
-        for ws in sockets:
-            await ws.close()
-        nginx.terminate()
-        nginx.wait(timeout=10)
-        for process in (a, b):
-            if process.returncode is None:
-                process.terminate()
-                await process.wait()
+        await stop_all(sockets, nginx, (a, b))

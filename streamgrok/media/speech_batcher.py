@@ -5,9 +5,10 @@ Whisper's encoder reads each segment with a few seconds of silence after it
 (`transcribers.PaddingTrim`), so a short segment costs little, and segments are recognised
 apart. They can instead be packed (`packs=True`): laid end to end with short silences into
 one window of up to `window_s` seconds, recognised in one call, each segment's words handed
-back by their times. That shares the encoder's fixed 30-s window, but measured on espeak-ng
-sentences of several voices it made Whisper loop and drop segments (WER 79% against 18%) and
-is no cheaper once the window is trimmed; it stays for recognisers with a fixed window.
+back by their times. That shares the encoder's fixed 30-s window, but on espeak-ng sentences
+of several voices it made Whisper loop and drop segments, and it is no cheaper once the window
+is trimmed (docs/grounding.md has the measurements); it stays for recognisers with a fixed
+window.
 
 The queue is bounded by the seconds of audio waiting (`max_waiting_s`); a segment past it is
 not recognised (its note says only that speech was heard) and is counted in `stats.dropped`.
