@@ -31,7 +31,7 @@ from streamgrok.bench.speech_track import (
     speech_line,
     speech_summary,
 )
-from streamgrok.bench.timing import percentile
+from streamgrok.bench.timing import milliseconds, percentile
 from streamgrok.openmp_wait import set_idle_spin
 from streamgrok.server.load import tree_cpu_seconds
 from streamgrok_kernels.cpu_native import CPU_ISA_ENV, isa_cap, simd_flags
@@ -139,10 +139,6 @@ def _cpu_seconds(server: ServerProcess | None) -> float:
         return 0.0
 
 
-def _ms(seconds: float) -> str:
-    return "n/a" if seconds != seconds else f"{seconds * 1e3:.0f}"
-
-
 def print_rows(rows: list[Row]) -> None:
     print(f"\n{'N':>3} {'asked':>5} {'answered':>8} {'failed':>6} {'refused':>7} "
           f"{'no-answer':>9} {'TTFT p50':>8} {'p95':>6} {'p99':>6} {'TBT p95':>7} "
@@ -151,8 +147,9 @@ def print_rows(rows: list[Row]) -> None:
     for row in rows:
         print(f"{row.clients:3d} {row.total('asked'):5d} {row.total('answered'):8d} "
               f"{row.total('failed'):6d} {sum(row.refused.values()):7d} "
-              f"{row.total('unanswered'):9d} {_ms(row.ttft(50)):>8} {_ms(row.ttft(95)):>6} "
-              f"{_ms(row.ttft(99)):>6} {_ms(row.tbt_p95):>7} {row.total('frames_sent'):11d} "
+              f"{row.total('unanswered'):9d} {milliseconds(row.ttft(50)):>8} "
+              f"{milliseconds(row.ttft(95)):>6} {milliseconds(row.ttft(99)):>6} "
+              f"{milliseconds(row.tbt_p95):>7} {row.total('frames_sent'):11d} "
               f"{row.processed:9d} {row.fps_per_session:8.2f} {row.cpu_cores:9.2f} "
               f"{row.rss_mb:6.0f}")
     print()
@@ -170,7 +167,7 @@ def print_rows(rows: list[Row]) -> None:
             print(f"N={row.clients} recogniser {name}: {asr['segments']} segments in "
                   f"{asr['calls']} calls ({asr['audio_s']:.0f} s of speech), busy "
                   f"{asr['busy_s']:.0f} s ({asr['busy_s'] / row.seconds:.2f} cores), queue wait "
-                  f"p95 {_ms(asr['wait_p95_s'] or float('nan'))} ms, "
+                  f"p95 {milliseconds(asr['wait_p95_s'] or float('nan'))} ms, "
                   f"{asr['dropped']} left unrecognised (queue full)")
         if (speech := row.speech()) is not None:
             print(f"N={row.clients} speech: {speech_line(speech)}")
@@ -181,8 +178,8 @@ def print_rows(rows: list[Row]) -> None:
             shares = [r.answered / r.asked for r in served]
             print(f"N={row.clients} fairness: answered per client {min(shares):.0%}..."
                   f"{max(shares):.0%}; per-client TTFT p95 "
-                  f"{_ms(min(p95s, default=float('nan')))}..."
-                  f"{_ms(max(p95s, default=float('nan')))} ms")
+                  f"{milliseconds(min(p95s, default=float('nan')))}..."
+                  f"{milliseconds(max(p95s, default=float('nan')))} ms")
     base = rows[0]
     for row in rows[1:]:
         print(f"N={row.clients} vs N={base.clients}: TTFT p95 x{row.ttft(95) / base.ttft(95):.1f}"

@@ -29,7 +29,7 @@ from streamgrok.bench.live_client import (
 )
 from streamgrok.bench.server_process import ServerProcess, serve_arguments, settle
 from streamgrok.bench.speech_track import SpeechTrack, sentence_clips, speech_line, speech_summary
-from streamgrok.bench.timing import percentile
+from streamgrok.bench.timing import milliseconds, percentile
 from streamgrok.openmp_wait import set_idle_spin
 from streamgrok.server.protocol import pack_media
 
@@ -93,7 +93,7 @@ async def run_soak(server_args: list[str], clients: int, seconds: float, ask_eve
         await settle(server)
         baseline_mb = sum(server.rss_mb())
         pages_before = server.metric("streamgrok_kv_pages_in_use")
-        print(f"baseline: idle TTFT p50 {_ms(percentile(idle.ttfts, 50))} ms; server RSS "
+        print(f"baseline: idle TTFT p50 {milliseconds(percentile(idle.ttfts, 50))} ms; server RSS "
               f"{baseline_mb:.0f} MB (media workers included); KV pages {pages_before:.0f}")
         live_started = time.monotonic() - started
         results = await asyncio.gather(*(
@@ -121,25 +121,21 @@ async def run_soak(server_args: list[str], clients: int, seconds: float, ask_eve
     _plot(out, samples, results, live_started, live_ended, baseline_mb)
 
 
-def _ms(seconds: float) -> str:
-    return "n/a" if seconds != seconds else f"{seconds * 1e3:.0f}"
-
-
 def _print_report(results, storm_results, idle_ttft, baseline_mb, peak_mb, end_mb,
                   pages_before, pages_after, exit_code) -> None:
     print(f"\n{'client':8} {'asked':>5} {'answered':>8} {'TTFT p50':>9} {'TTFT p95':>9} "
           f"{'frames dropped':>14} {'rate-limited':>12}  errors")
     for r in results:
-        print(f"{r.name:8} {r.asked:5d} {r.answered:8d} {_ms(percentile(r.ttfts, 50)):>9} "
-              f"{_ms(percentile(r.ttfts, 95)):>9} {r.drops.get('frames', 0):14d} "
+        print(f"{r.name:8} {r.asked:5d} {r.answered:8d} {milliseconds(percentile(r.ttfts, 50)):>9} "
+              f"{milliseconds(percentile(r.ttfts, 95)):>9} {r.drops.get('frames', 0):14d} "
               f"{r.drops.get('rate_limited', 0):12d}  {dict(r.errors) or '-'}")
     ttfts = [t for r in results for t in r.ttfts]
     asked = sum(r.asked for r in results)
     answered = sum(r.answered for r in results)
     p95 = percentile(ttfts, 95)
     print(f"\nlive: {len(results)} clients, {answered}/{asked} questions answered; TTFT p50 "
-          f"{_ms(percentile(ttfts, 50))} ms, p95 {_ms(p95)} ms (idle baseline "
-          f"{_ms(idle_ttft)} ms: p95 x{p95 / idle_ttft:.1f})")
+          f"{milliseconds(percentile(ttfts, 50))} ms, p95 {milliseconds(p95)} ms (idle baseline "
+          f"{milliseconds(idle_ttft)} ms: p95 x{p95 / idle_ttft:.1f})")
     print("frames dropped by reason: " + ", ".join(
         f"{reason} {sum(r.drops.get(reason, 0) for r in results)}"
         for reason in ("frames", "rate_limited", "outbound")))
@@ -149,7 +145,7 @@ def _print_report(results, storm_results, idle_ttft, baseline_mb, peak_mb, end_m
         failed = sum(r.handshake_failed for r in storm_results)
         print(f"storm: {len(storm_results)} clients connected, asked and dropped mid-answer; "
               f"{failed} handshakes failed; first-token p95 "
-              f"{_ms(percentile([t for r in storm_results for t in r.ttfts], 95))} ms")
+              f"{milliseconds(percentile([t for r in storm_results for t in r.ttfts], 95))} ms")
     print(f"server RSS: baseline {baseline_mb:.0f} MB, peak {peak_mb:.0f} MB, end "
           f"{end_mb:.0f} MB (end/baseline x{end_mb / baseline_mb:.3f})")
     print(f"KV pages: before {pages_before:.0f}, after {pages_after:.0f}; server exit code "

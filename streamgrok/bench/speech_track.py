@@ -16,6 +16,7 @@ import numpy as np
 
 from streamgrok.bench.speech import SENTENCES, VOICES
 from streamgrok.bench.speech import word_error_rate as sentences_wer
+from streamgrok.bench.timing import milliseconds, percentile
 from streamgrok.media.samples import speak
 
 RATE = 16_000
@@ -117,8 +118,6 @@ def speech_summary(results: list, within_s: float = 3.0) -> dict | None:
     """Over the live clients' `results` (their `spoken` sentences and `speech` scores):
     sentences said, transcribed, transcribed within `within_s` of their end, the delay
     p50/p95 and the WER (None: nobody spoke)."""
-    from streamgrok.bench.timing import percentile
-
     matched = [m for r in results for m in r.speech.matches(r.spoken)]
     if not matched:
         return None
@@ -134,10 +133,6 @@ def speech_line(summary: dict) -> str:
     return (f"{summary['said']} sentences said, {summary['transcribed']} transcribed, "
             f"{summary['in_time']} within 3 s of their end "
             f"({summary['in_time'] / summary['said']:.0%}); delay p50 "
-            f"{_ms(summary['delay_p50'])} ms, p95 {_ms(summary['delay_p95'])} ms; "
+            f"{milliseconds(summary['delay_p50'])} ms, "
+            f"p95 {milliseconds(summary['delay_p95'])} ms; "
             f"WER {summary['wer']:.1%}")
-
-
-def _ms(seconds: float) -> str:
-    return "n/a" if seconds != seconds else f"{seconds * 1e3:.0f}"
-

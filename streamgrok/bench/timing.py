@@ -30,6 +30,11 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def milliseconds(seconds: float) -> str:
+    """`seconds` as whole milliseconds for a report ("n/a" for NaN: nothing measured)."""
+    return "n/a" if seconds != seconds else f"{seconds * 1e3:.0f}"
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
