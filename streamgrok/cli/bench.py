@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from importlib import import_module
 from pathlib import Path
 
 from streamgrok.cli.options import (
@@ -13,6 +14,14 @@ from streamgrok.cli.options import (
     add_served_options,
     load_from_args,
 )
+
+# the benches that take the parsed arguments whole: (module, entry point), imported when run
+SERVER_BENCHES = {
+    "live": ("streamgrok.bench.live", "run_live_bench"),
+    "long-stream": ("streamgrok.bench.long_stream", "run_long_stream_bench"),
+    "resume": ("streamgrok.bench.resume", "run_resume_bench"),
+    "soak": ("streamgrok.bench.soak", "run_soak_bench"),
+}
 
 
 def add_bench_commands(commands) -> None:
@@ -262,25 +271,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_grounding_bench(load_from_args(args), args.pipeline, out=args.out, only=args.clips,
                             seed=args.seed, generated=args.generated, configs=args.configs)
         return 0
-    if args.bench == "live":
-        from streamgrok.bench.live import run_live_bench
-
-        run_live_bench(args)
-        return 0
-    if args.bench == "long-stream":
-        from streamgrok.bench.long_stream import run_long_stream_bench
-
-        run_long_stream_bench(args)
-        return 0
-    if args.bench == "resume":
-        from streamgrok.bench.resume import run_resume_bench
-
-        run_resume_bench(args)
-        return 0
-    if args.bench == "soak":
-        from streamgrok.bench.soak import run_soak_bench
-
-        run_soak_bench(args)
+    if args.bench in SERVER_BENCHES:  # they start their own server from the arguments
+        module, function = SERVER_BENCHES[args.bench]
+        getattr(import_module(module), function)(args)
         return 0
     if args.bench == "serve" and not args.in_process:
         return _bench_serve_http(args)
