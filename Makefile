@@ -32,13 +32,14 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) -m streamgrok bench decode
 	$(PY) -m streamgrok bench serve
-	$(PY) -m streamgrok bench media
-	$(PY) -m streamgrok bench kv
+	$(PY) -m streamgrok bench live
+	$(PY) -m benchmarks decode
+	$(PY) -m benchmarks media
+	$(PY) -m benchmarks kv
 
 lint: $(STAMP)
-	$(PY) -m ruff check streamgrok kernels pipelines tests demos
+	$(PY) -m ruff check streamgrok kernels pipelines tests demos benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

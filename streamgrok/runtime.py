@@ -27,7 +27,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     """Map a dtype name (auto, float32, bfloat16, float16) to torch. `auto` is bfloat16 on
     CUDA and float32 on CPU (measured faster here than bfloat16 without AVX512-BF16:
-    `streamgrok bench decode --dtype bfloat16`)."""
+    `python -m benchmarks decode --dtype bfloat16`)."""
     if name == "auto":
         on_cuda = device is not None and torch.device(device).type == "cuda"
         return torch.bfloat16 if on_cuda else torch.float32
@@ -40,7 +40,7 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
 def resolve_weights(weights: str, dtype: str, device: torch.device) -> str:
     """The weight format `weights` names: `auto` with `dtype` auto is `q4` on the CPU (int4
     projections, an int8 head: the native decode step; its accuracy against float32 is
-    printed by `streamgrok bench decode`) and the model's dtype elsewhere; any other
+    printed by `python -m benchmarks decode`) and the model's dtype elsewhere; any other
     `weights`, or an explicit `dtype`, is kept as given."""
     if weights == "auto" and dtype == "auto" and torch.device(device).type == "cpu":
         return "q4"

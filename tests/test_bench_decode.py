@@ -1,4 +1,4 @@
-"""`streamgrok bench decode` runs end to end on a tiny model: one process per weight format,
+"""`python -m benchmarks decode` runs end to end on a tiny model: one process per weight format,
 every row filled, the accuracy reference first, a plot written."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers import random_model, tiny_config, write_gguf
 
-from streamgrok.bench.decode import run_decode_bench
+from benchmarks.decode import run_decode_bench
 
 
 def test_decode_bench_measures_each_format_against_float32(tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_a_format_the_bench_does_not_know_is_a_clear_error(tmp_path):
 
 
 def test_rounds_merge_into_one_column_per_system():
-    from streamgrok.bench.decode import _merged
+    from benchmarks.decode import _merged
 
     rounds = [{"weights": "q4", "prefill_tok_s": 10.0, "peak_rss_mb": 500.0, "kl_nats": 0.05},
               {"weights": "q4", "prefill_tok_s": 30.0, "peak_rss_mb": 700.0, "kl_nats": None},
@@ -54,7 +54,7 @@ def test_rounds_merge_into_one_column_per_system():
 
 
 def test_answers_agree_by_whole_answers_and_by_the_prefix_before_a_difference():
-    from streamgrok.bench.decode_worker import answer_agreement
+    from benchmarks.decode_worker import answer_agreement
 
     reference = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10]]
     assert answer_agreement(reference, reference) == {"greedy_same": 1.0, "greedy_prefix": 1.0}

@@ -199,7 +199,7 @@ async def test_engine_answers_are_the_same_with_the_native_kernel(tmp_path):
 
 def test_the_paged_decode_bench_times_both_paths_and_plots(tiny_loaded, tmp_path, monkeypatch,
                                                            capsys):
-    from streamgrok.bench import paged_decode
+    from benchmarks import paged_decode
 
     monkeypatch.setattr(paged_decode, "SHAPES", ((1, 40), (3, 70)))
     monkeypatch.setattr(paged_decode, "STEPS", 2)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import ask_chat, random_model, start_serve, tiny_config, torchrun_launcher
 
-from streamgrok.bench.kv_ranks import StreamScenario, run_ranks, run_single
+from benchmarks.kv_ranks import StreamScenario, run_ranks, run_single
 from streamgrok.cache.config import CacheConfig
 from streamgrok.model.config import MoEConfig
 from streamgrok.model.expert_parallel import AbsentExpert, expert_owner, shard_experts

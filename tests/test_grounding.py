@@ -316,7 +316,7 @@ def test_what_was_said_is_asked_as_a_quote_but_a_sign_is_not():
 
 
 def test_the_grounding_score_wants_the_fact_not_a_word_that_looks_like_it():
-    from streamgrok.bench.grounding import Question
+    from benchmarks.grounding import Question
 
     count = Question("How many faces were seen?", "counting", (("1", "one"),))
     assert count.score("One face was seen.") and count.score("1")

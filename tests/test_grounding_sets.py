@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamgrok.bench.grounding_clips import generated_clips
-from streamgrok.bench.grounding_questions import Question, digits, invented, says_absent
+from benchmarks.grounding_clips import generated_clips
+from benchmarks.grounding_questions import Question, digits, invented, says_absent
 from streamgrok.media.items import Note
 from streamgrok.pipeline.grounding import answer_stem, grounded_prompt
 from streamgrok.pipeline.note_log import NoteLog

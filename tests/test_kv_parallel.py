@@ -22,7 +22,7 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamgrok.bench.kv_ranks import StreamScenario, run_ranks, run_single
+from benchmarks.kv_ranks import StreamScenario, run_ranks, run_single
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.kv_group import KVGroup, KVParallelError
 from streamgrok.cache.kv_parallel import KVParallelCache
@@ -95,7 +95,7 @@ def test_out_of_pages_on_a_rank_fails_the_step_on_every_rank_without_a_hang():
 def test_one_rank_kv_parallel_cache_is_the_paged_cache():
     plan = scenario("h2o", 96, STEPS[:4], decode=3)
     base = run_single(BUILD(), plan)
-    from streamgrok.bench.kv_ranks import run_stream
+    from benchmarks.kv_ranks import run_stream
 
     model = BUILD()
     cache = KVParallelCache(CONFIG, KVGroup(), plan.cache_config, num_pages=512,

@@ -465,8 +465,8 @@ def test_disk_tier_budget_holds_and_drops_the_oldest_for_good(tmp_path):
 def test_bench_measures_an_exact_hit_rate_of_one_when_everything_comes_back(tiny_loaded):
     """The benchmark's own instruments on a tiny model: the full cache's attention, the
     evicting answer's resident tokens, KL and top-1 (nothing here is timed)."""
-    from streamgrok.bench.caches import bench_cache
-    from streamgrok.bench.recall import (
+    from benchmarks.caches import bench_cache
+    from benchmarks.recall import (
         exact_hit_rate,
         forced_answer,
         full_answer,
@@ -508,7 +508,7 @@ def test_bench_measures_an_exact_hit_rate_of_one_when_everything_comes_back(tiny
 def test_bench_long_stream_prints_each_row_as_it_is_measured(tiny_loaded, capsys):
     """The long stream's rows appear as they are taken (a stopped run still shows them),
     and its working set stays inside the budget while the host tier fills and drops."""
-    from streamgrok.bench.recall import RecallBenchOptions, long_stream
+    from benchmarks.recall import RecallBenchOptions, long_stream
 
     options = RecallBenchOptions(flat_tokens=1600, flat_questions=4, budget=128, chunk=64)
     result = long_stream(tiny_loaded, options)

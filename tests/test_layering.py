@@ -1,8 +1,8 @@
 """The package map holds: kernels (installed as streamgrok_kernels) <- model <- vision <-
-loading <- cache <- engine <- media <- pipeline <- server <- bench <- the command line, every
-module in one of them; and no file-level import cycle, whether the imports run or only serve
-type checking, except the few `TYPE_CHECKING` handles listed below. Checked on the import
-statements of every module."""
+loading <- cache <- engine <- media <- pipeline <- server <- bench <- the command line <- the
+unshipped research harnesses (benchmarks/), every module in one of them; and no file-level
+import cycle, whether the imports run or only serve type checking, except the few
+`TYPE_CHECKING` handles listed below. Checked on the import statements of every module."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ LAYERS = [
     ("streamgrok.server",),
     ("streamgrok.bench",),
     ("streamgrok.cli", "streamgrok.logs", "streamgrok.inductor_cache", "streamgrok.__main__"),
+    ("benchmarks",),  # the research harnesses of the checkout, not shipped
 ]
 # small leaf modules any layer above the kernels may use (errors, shared value types, process
 # settings); the package itself (`__version__`, and lazy exports it resolves on first use)
@@ -53,9 +54,10 @@ TYPE_HANDLES = {
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of the package and the kernels, by its import name."""
+    """Every module of the package, the kernels and the research harnesses, by import name."""
     found = {}
-    for path in [*ROOT.glob("kernels/*.py"), *ROOT.glob("streamgrok/**/*.py")]:
+    for path in [*ROOT.glob("kernels/*.py"), *ROOT.glob("streamgrok/**/*.py"),
+                 *ROOT.glob("benchmarks/*.py")]:
         parts = path.relative_to(ROOT).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]

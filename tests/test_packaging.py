@@ -37,6 +37,8 @@ def test_the_wheel_carries_the_page_the_pipelines_and_the_metadata(wheel):
                     "streamgrok_kernels/cpu/attention_math.h", "streamgrok/vision/mmproj.py"):
         assert shipped in names, shipped
     assert not any(n.startswith("kernels/") for n in names)  # not another project's name
+    assert not any(n.startswith("benchmarks/") for n in names)  # research harnesses stay home
+    assert "streamgrok/bench/live.py" in names  # the load generators users run ship
     assert any(n.endswith("licenses/LICENSE") for n in names)
     assert metadata["License-Expression"] == "Apache-2.0"
     requires = metadata.get_all("Requires-Dist")

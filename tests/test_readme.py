@@ -51,10 +51,12 @@ def test_the_top_level_exports_resolve():
 
 
 def parser_vocabulary() -> tuple[set[str], set[str]]:
-    """Every command path (`chat`, `bench decode`, ...) and every option string the command
-    line parser knows, over all its subcommands."""
+    """Every command path (`chat`, `bench serve`, and `benchmarks decode` for the research
+    harnesses) and every option string the two command line parsers know, over all their
+    subcommands."""
     import argparse
 
+    from benchmarks.__main__ import build_parser as build_harness_parser
     from streamgrok.cli import build_parser
 
     commands, options = set(), set()
@@ -68,6 +70,7 @@ def parser_vocabulary() -> tuple[set[str], set[str]]:
                     walk(sub, f"{path} {name}".strip())
 
     walk(build_parser(), "")
+    walk(build_harness_parser(), "benchmarks")
     return commands, options
 
 
@@ -87,6 +90,7 @@ def test_every_command_and_flag_the_readme_names_exists():
     text = README.read_text()
     named = set(re.findall(r"streamgrok ((?:bench )?[a-z]+(?:-[a-z]+)*)\b", text)) - {
         "is", "serving", "import"}
+    named |= set(re.findall(r"python -m (benchmarks [a-z]+)\b", text))
     assert named and named <= commands, named - commands
     flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text))
     assert flags and flags <= options, flags - options

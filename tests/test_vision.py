@@ -233,7 +233,7 @@ def test_a_processor_chat_template_with_typed_parts_renders_plain_text_turns(smo
 def test_the_vision_benchmark_measures_real_shapes_and_plots(tmp_path):
     from dataclasses import replace
 
-    from streamgrok.bench.vision import (
+    from benchmarks.vision import (
         CLIP_B32,
         SMOLVLM2_256M,
         plot,

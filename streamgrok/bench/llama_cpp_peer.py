@@ -1,4 +1,4 @@
-"""llama.cpp as the CPU peer of `streamgrok bench decode --peer llama.cpp`: its own
+"""llama.cpp as the CPU peer of `python -m benchmarks decode --peer llama.cpp`: its own
 `llama-bench` (prefill, batch-1 decode) and `llama-batched-bench` (aggregate decode of N
 sequences) on the same GGUF and thread count, with each run's peak RSS."""
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streamgrok.bench.speech import SENTENCES, VOICES
-from streamgrok.bench.speech import word_error_rate as sentences_wer
+from streamgrok.bench.sentences import SENTENCES, VOICES
+from streamgrok.bench.sentences import word_error_rate as sentences_wer
 from streamgrok.bench.timing import milliseconds, percentile
 from streamgrok.media.samples import speak
 

@@ -40,7 +40,7 @@ class CacheConfig:
     kv_dtype: str = "auto"
     memory_gib: float | None = None
     gpu_memory_fraction: float = 0.8
-    policy: str = "redundancy"  # chosen from `streamgrok bench kv` (README, Benchmarks)
+    policy: str = "redundancy"  # chosen from `python -m benchmarks kv` (README, Benchmarks)
     budget_tokens: int | None = 2048
     layer_budgets: str = "uniform"  # "uniform" or "pyramid"
     pyramid_full_layers: int = 8

@@ -11,7 +11,7 @@ token as the attention does); dense layers attend over everything.
 `ExpertShardedKV` is an attention backend that plays this layout in one process for one
 sequence: each query sees exactly the keys the ranks it selects hold, so its output is what
 the ranks' partial attentions, merged by log-sum-exp (`shard_attention.merge_partials`,
-exact), give. It is a measuring tool, not a serving cache: `streamgrok bench kv --parts moe`
+exact), give. It is a measuring tool, not a serving cache: `python -m benchmarks kv --parts moe`
 compares its logits with the full cache's on a long stream (top-1 agreement, KL).
 """
 

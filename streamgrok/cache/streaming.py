@@ -1,6 +1,6 @@
 """Feed a long token stream through a model and a paged cache, evicting between chunks.
 
-This is the engine's append path reduced to one sequence, used by `streamgrok bench kv`
+This is the engine's append path reduced to one sequence, used by `python -m benchmarks kv`
 and by tests; the engine's scheduler does the same for many sessions at once.
 """
 

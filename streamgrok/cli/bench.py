@@ -7,9 +7,7 @@ from importlib import import_module
 from pathlib import Path
 
 from streamgrok.cli.options import (
-    CHAT_KV_DTYPES,
     DEFAULTS,
-    POLICIES,
     add_model_options,
     add_served_options,
     load_from_args,
@@ -27,71 +25,6 @@ SERVER_BENCHES = {
 def add_bench_commands(commands) -> None:
     bench = commands.add_parser("bench", help="run a benchmark")
     benches = bench.add_subparsers(dest="bench", required=True)
-    decode = benches.add_parser("decode", formatter_class=DEFAULTS,
-                                help="prefill and batched decode throughput")
-    decode.add_argument("--prompt-tokens", type=int, default=512, help="prefill length")
-    decode.add_argument("--batches", default="1,8,32", help="decode batch sizes")
-    decode.add_argument("--context", type=int, default=512,
-                        help="context of each sequence for the batched decode rows")
-    decode.add_argument("--batch1-context", type=int, default=64,
-                        help="context of the batch-1 decode row (llama-bench's tg128 spans 0-128)")
-    decode.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
-    decode.add_argument("--repeats", type=int, default=3, help="runs per number (median)")
-    decode.add_argument("--formats", default="f32,bf16,q8,q4",
-                        help="weight formats compared (f32 is the accuracy reference); "
-                             "FORMAT:KV gives one its own K/V cache dtype, e.g. q4:int8")
-    decode.add_argument("--kv-dtype", default="auto", choices=CHAT_KV_DTYPES,
-                        help="K/V cache dtype of every format: auto is bfloat16 for the "
-                             "quantized formats where the CPU has native bfloat16 (llama.cpp's "
-                             "default cache is float16), else the model's compute dtype; int8 "
-                             "keeps a scale per token and head")
-    decode.add_argument("--peer", default=None, choices=("llama.cpp",),
-                        help="also measure llama.cpp's own benchmarks on the same GGUF")
-    decode.add_argument("--peer-bin", default=None,
-                        help="folder with llama-bench and llama-batched-bench (default: PATH)")
-    decode.add_argument("--out", default="bench-results", help="folder for the plot")
-    add_model_options(decode)
-    kv = benches.add_parser("kv", formatter_class=DEFAULTS,
-                            help="KV cache: flat memory, passkey, perplexity, overhead")
-    kv.add_argument("--parts", default="flat,passkey,ppl,overhead",
-                    help="which parts to run (also: kvp, KV parallelism over local ranks; "
-                         "recall, the host tier and recall; paged, decode steps with the "
-                         "native CPU attention kernel vs the PyTorch path; moe, a mixture "
-                         "of experts with experts and KV over the kvp ranks)")
-    kv.add_argument("--tokens", type=int, default=100_000, help="tokens streamed (flat part)")
-    kv.add_argument("--budget", type=int, default=2048, help="tokens per layer")
-    kv.add_argument("--flat-policy", default="h2o", choices=POLICIES,
-                    help="policy of the flat-memory part")
-    kv.add_argument("--contexts", default="2048,4096,7168", help="passkey context lengths")
-    kv.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths")
-    kv.add_argument("--budget-fractions", default="0.1,0.25,0.5",
-                    help="budgets as fractions of the context")
-    kv.add_argument("--policies", default="sink_window,h2o,snapkv,redundancy,pyramid",
-                    help="policies compared")
-    kv.add_argument("--ppl-tokens", type=int, default=16_384, help="perplexity text length")
-    kv.add_argument("--kvp-ranks", default="1,2,4", help="rank counts of the kvp part")
-    kv.add_argument("--kvp-contexts", default="1024,4096",
-                    help="contexts of the kvp part (the moe part: the largest)")
-    kv.add_argument("--recall-contexts", default="4096,7168",
-                    help="stream lengths of the recall part (within the trained context)")
-    kv.add_argument("--recall-fractions", default="0.05,0.1,0.25",
-                    help="resident budgets of the recall part, as fractions of the context")
-    kv.add_argument("--recall-policy", default="redundancy", choices=POLICIES[1:],
-                    help="eviction policy of the recall part")
-    kv.add_argument("--recall-trials", type=int, default=2,
-                    help="needles per task and depth in the recall part")
-    kv.add_argument("--recall-stream-tokens", type=int, default=200_000,
-                    help="tokens of the recall part's long stream")
-    kv.add_argument("--recall-stream-questions", type=int, default=5,
-                    help="questions (and measured rows) along the long stream")
-    kv.add_argument("--recall-in-stream", default="off,on",
-                    help="the recall part's fidelity with streamed chunks recalling off, on "
-                         "or both (off,on)")
-    kv.add_argument("--recall-parts", default="stream,fidelity,retrieval",
-                    help="what the recall part runs")
-    kv.add_argument("--out", default="bench-results", help="folder for plots")
-    add_model_options(kv)
-    kv.set_defaults(dtype="bfloat16")
     serve = benches.add_parser("serve", formatter_class=DEFAULTS,
                                help="`streamgrok serve` over HTTP: N concurrent streaming "
                                     "chat completions, against llama-server with --peer")
@@ -167,110 +100,14 @@ def add_bench_commands(commands) -> None:
                       help="clients speak espeak-ng sentences about half the time (else room "
                            "noise)")
     add_served_options(live)
-    grounding = benches.add_parser(
-        "grounding", formatter_class=DEFAULTS,
-        help="questions with known answers on generated clips: as the notes word them, "
-             "in other words, and about what never happened")
-    grounding.add_argument("--pipeline", default="pipelines/live_qa.py", help="pipeline file")
-    grounding.add_argument("--clips", default=None, help="comma-separated clip names")
-    grounding.add_argument("--seed", type=int, default=0,
-                           help="seed the generated clips are drawn from")
-    grounding.add_argument("--generated", type=int, default=5,
-                           help="how many clips to draw from --seed")
-    grounding.add_argument("--configs", default="words,current",
-                           help="comma-separated: current, words (the old note selection), "
-                                "stream, pocketsphinx")
-    grounding.add_argument("--out", default="bench-results", help="folder for the plot")
-    add_model_options(grounding)
-    speech = benches.add_parser(
-        "speech", formatter_class=DEFAULTS,
-        help="numbers, times and names heard right by Whisper base under each decoding option")
-    speech.add_argument("--threads", type=int, default=1, help="recogniser threads")
-    media = benches.add_parser("media", formatter_class=DEFAULTS,
-                               help="decode, CLIP, dedup and ingest rates")
-    media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
-    media.add_argument("--fps", type=float, default=2.0, help="sampling rate")
-    media.add_argument("--threads", type=int, default=None, help="torch threads")
-    media.add_argument("--parts", default="all", choices=("all", "vision"),
-                       help="all, or only the vision towers' throughput")
-    media.add_argument("--out", default="bench-results", help="folder for the plot")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.bench == "decode":
-        from streamgrok.bench.decode import run_decode_bench
-
-        run_decode_bench(args.model, args.formats.split(","), args.threads,
-                         prompt_tokens=args.prompt_tokens,
-                         batches=[int(b) for b in args.batches.split(",")],
-                         context=args.context, batch1_context=args.batch1_context,
-                         steps=args.steps, repeats=args.repeats, peer=args.peer,
-                         peer_bin=args.peer_bin, kv_dtype=args.kv_dtype, out=args.out)
-        return 0
-    if args.bench == "kv":
-
-        from streamgrok.bench.kv import KvBenchOptions, run_kv_bench
-        from streamgrok.bench.recall import RecallBenchOptions
-
-        def floats(text: str) -> tuple[float, ...]:
-            return tuple(float(x) for x in text.split(","))
-
-        def on_off(text: str, option: str) -> tuple[bool, ...]:
-            values = text.split(",")
-            if set(values) - {"on", "off"}:
-                raise ValueError(f"{option} takes off, on or off,on, not {text!r}")
-            return tuple(value == "on" for value in values)
-
-        run_kv_bench(
-            load_from_args(args),
-            KvBenchOptions(
-                parts=tuple(args.parts.split(",")),
-                tokens=args.tokens,
-                budget=args.budget,
-                flat_policy=args.flat_policy,
-                contexts=tuple(int(x) for x in args.contexts.split(",")),
-                depths=floats(args.depths),
-                budget_fractions=floats(args.budget_fractions),
-                policies=tuple(args.policies.split(",")),
-                ppl_tokens=args.ppl_tokens,
-                kvp_ranks=tuple(int(x) for x in args.kvp_ranks.split(",")),
-                kvp_contexts=tuple(int(x) for x in args.kvp_contexts.split(",")),
-                recall=RecallBenchOptions(
-                    contexts=tuple(int(x) for x in args.recall_contexts.split(",")),
-                    fractions=floats(args.recall_fractions), policy=args.recall_policy,
-                    trials=args.recall_trials, flat_tokens=args.recall_stream_tokens,
-                    flat_questions=args.recall_stream_questions,
-                    parts=tuple(args.recall_parts.split(",")),
-                    in_stream=on_off(args.recall_in_stream, "--recall-in-stream"),
-                    budget=args.budget),
-                weights=args.weights,
-                out_dir=Path(args.out),
-            ),
-        )
-        return 0
     if args.bench == "kernels":
         from streamgrok_kernels.check import main as check_kernels
 
         return check_kernels((["--small"] if args.small else [])
                              + (["--no-timing"] if args.no_timing else []))
-    if args.bench == "media":
-        from streamgrok.bench.media import run_media_bench
-        from streamgrok.runtime import configure_threads
-
-        configure_threads(args.threads)
-        run_media_bench(args.clip_weights, args.fps, args.parts, args.out)
-        return 0
-    if args.bench == "speech":
-        from streamgrok.bench.speech import DECODINGS, speech_numbers_bench
-
-        speech_numbers_bench(DECODINGS, args.threads)
-        return 0
-    if args.bench == "grounding":
-        from streamgrok.bench.grounding import run_grounding_bench
-
-        run_grounding_bench(load_from_args(args), args.pipeline, out=args.out, only=args.clips,
-                            seed=args.seed, generated=args.generated, configs=args.configs)
-        return 0
     if args.bench in SERVER_BENCHES:  # they start their own server from the arguments
         module, function = SERVER_BENCHES[args.bench]
         getattr(import_module(module), function)(args)

@@ -1,7 +1,6 @@
 """Speech recognisers: Whisper through faster-whisper (the default, offline with the packaged
-base model) and pocketsphinx, kept only as the measured baseline (`bench media`: WER 88%
-against Whisper base's 18% on espeak-ng sentences, at about 2/3 of Whisper's CPU time).
-Input is 16 kHz mono float."""
+base model) and pocketsphinx, kept only as the measured baseline (`python -m benchmarks
+media` compares them; docs/grounding.md has the numbers). Input is 16 kHz mono float."""
 
 from __future__ import annotations
 
@@ -74,7 +73,7 @@ class PaddingTrim:
     frames of the silence after it instead of the whole 30 s window faster-whisper pads every
     segment to: the encoder's cost grows with its input (CTranslate2 takes any length), and
     a few seconds of silence after the speech keep what the decoder hears as with the full
-    window (`streamgrok bench speech` measures both), where none at all makes it loop."""
+    window (`python -m benchmarks speech` measures both), where none at all makes it loop."""
 
     def __init__(self, encode: Any, frames: int) -> None:
         self.encode = encode

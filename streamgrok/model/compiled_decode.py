@@ -21,10 +21,10 @@ steps run as one native call (`streamgrok.model.native_decode`), chosen in the s
 background step once the native kernels are built, so such a process never imports the
 compiler.
 
-The contiguous cache (one-shot generation, `streamgrok chat`, `bench decode`) gives decode
-views. The engine's paged streaming cache does not: there an int4 model's decode steps run
-as one native call over the page tables (`native_decode.PagedNativeDecode`), and other
-models' layer by layer.
+The contiguous cache (one-shot generation, `streamgrok chat`, `python -m benchmarks decode`)
+gives decode views. The engine's paged streaming cache does not: there an int4 model's decode
+steps run as one native call over the page tables (`native_decode.PagedNativeDecode`), and
+other models' layer by layer.
 """
 
 from __future__ import annotations

@@ -396,7 +396,7 @@ def prefill_attention_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def cache_dtype(model: nn.Module) -> torch.dtype:
-    """The contiguous cache's K/V dtype for `model` (plain generation, `bench decode`'s
+    """The contiguous cache's K/V dtype for `model` (plain generation, the decode harness's
     auto): a quantized model's prefill dtype on the CPU (bfloat16 where native: a decode step
     reads every cached key and value, and on these CPUs attention is bound by those bytes;
     llama.cpp keeps float16 K/V by default), else the model's compute dtype."""

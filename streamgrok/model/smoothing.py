@@ -38,7 +38,7 @@ from streamgrok.model.config import ModelConfig
 SMOOTHING_ALPHA = 0.5  # the SmoothQuant paper's; 0.45-0.5 measured best for SmolLM2
 CALIBRATION_TOKENS = 512
 _MIN = 1e-5
-# Not the text `bench decode` measures agreement on (the same documentation, 200k
+# Not the text `python -m benchmarks decode` measures agreement on (the same documentation, 200k
 # characters on), with chat-like lines so both kinds of text set the ranges.
 _CALIBRATION_SKIP_CHARS = 200_000
 _CHAT_LINES = (
@@ -52,7 +52,7 @@ _CHAT_LINES = (
 def calibration_ids(encode: Callable[[str], list[int]],
                     tokens: int = CALIBRATION_TOKENS) -> list[int]:
     """`tokens` ids of fixed calibration text: chat-like lines and English prose (the
-    Python documentation's topics, a part `bench decode` does not measure on)."""
+    Python documentation's topics, a part `python -m benchmarks decode` does not measure on)."""
     try:  # (bench.corpus reads the same text; the model layer may not import bench)
         from pydoc_data.topics import topics
         prose = "\n\n".join(topics[k] for k in sorted(topics))[_CALIBRATION_SKIP_CHARS:]

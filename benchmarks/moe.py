@@ -1,4 +1,4 @@
-"""`streamgrok bench kv --parts moe`: a mixture-of-experts model decoding with its experts and
+"""`python -m benchmarks kv --parts moe`: a mixture-of-experts model decoding with its experts and
 its KV spread over 1, 2 and 4 CPU ranks (gloo), measured, and a labelled projection for GPUs.
 
 The model is the one given when it has experts, else a random Mixtral-layout GGUF the bench
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from streamgrok.bench.corpus import stdlib_text
-from streamgrok.bench.kv_ranks import StreamResult, StreamScenario, run_ranks
-from streamgrok.bench.moe_gguf import MoEShape, write_random_moe_gguf
+from benchmarks.corpus import stdlib_text
+from benchmarks.kv_ranks import StreamResult, StreamScenario, run_ranks
+from benchmarks.moe_gguf import MoEShape, write_random_moe_gguf
 from streamgrok.bench.timing import measurement_env, median
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.pikv import ExpertShardedKV

@@ -1,36 +1,16 @@
 """Word error rate and real-time factor of the speech recognisers on espeak-ng sentences in
-several voices and speeds (part of `streamgrok bench media`), and `bench speech`: how well
-Whisper hears numbers, times and names under each decoding option."""
+several voices and speeds (part of `python -m benchmarks media`), and `python -m benchmarks
+speech`: how well Whisper hears numbers, times and names under each decoding option."""
 
 from __future__ import annotations
 
+import argparse
 import time
 
+from streamgrok.bench.sentences import SENTENCES, VOICES, word_error_rate
+from streamgrok.cli.options import DEFAULTS
 from streamgrok.media.samples import speak
 from streamgrok.media.transcribers import load_transcriber
-
-SENTENCES = [
-    "Attention please. The delivery truck arrives at gate seven.",
-    "A cat is resting on the table.",
-    "The store closes at nine tonight.",
-    "Please move your car away from the loading dock.",
-    "The meeting starts in ten minutes in room four.",
-    "Two people are waiting at the front door.",
-]
-VOICES = [("en", 150), ("en-us", 175), ("en+f3", 160), ("en-gb", 190)]
-NUMBERS = {"7": "seven", "9": "nine", "10": "ten", "4": "four", "2": "two"}  # as Whisper writes
-
-
-def word_error_rate(references: list[str], heard: list[str]) -> float:
-    """WER of what was `heard` against the `references`, case, punctuation and the digits of
-    these sentences normalised."""
-    import jiwer
-
-    transform = jiwer.Compose([jiwer.ToLowerCase(), jiwer.RemovePunctuation(),
-                               jiwer.SubstituteWords(NUMBERS), jiwer.RemoveMultipleSpaces(),
-                               jiwer.Strip(), jiwer.ReduceToListOfListOfWords()])
-    return jiwer.wer(references, heard, reference_transform=transform,
-                     hypothesis_transform=transform)
 
 
 def spoken(sentences: list[str], voices: list[tuple[str, int]]) -> list | None:
@@ -100,7 +80,7 @@ DECODINGS = {
 def numbers_heard(reference: str, heard: str) -> bool:
     """Whether `heard` has the reference's numbers, in order, however written ("4:30",
     "430", "four thirty"; "341" or "3 4 1")."""
-    from streamgrok.bench.grounding_questions import digits
+    from benchmarks.grounding_questions import digits
 
     return "".join(digits(reference.replace("o'clock", ""))) == "".join(digits(heard))
 
@@ -166,3 +146,18 @@ def _digits_spelled(text: str) -> str:
     from text_to_num import alpha2digit
 
     return alpha2digit(text.replace(":", " "), "en")
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    """Add `speech` and its arguments to the `python -m benchmarks` commands."""
+    speech = benches.add_parser(
+        "speech", formatter_class=DEFAULTS,
+        help="numbers, times and names heard right by Whisper base under each decoding option")
+    speech.add_argument("--threads", type=int, default=1, help="recogniser threads")
+    speech.set_defaults(run=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the bench with the parsed command-line arguments."""
+    speech_numbers_bench(DECODINGS, args.threads)
+    return 0

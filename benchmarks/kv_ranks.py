@@ -1,5 +1,5 @@
 """Run the same cache scenario on N local ranks (gloo over loopback) or in one process: what
-the KV-parallel equality tests and `bench kv --parts kvp` share."""
+the KV-parallel equality tests and `python -m benchmarks kv --parts kvp` share."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`streamgrok bench media`: decode rate, CLIP rate, dedup ratios, per-frame observer cost
+"""`python -m benchmarks media`: decode rate, CLIP rate, dedup ratios, per-frame observer cost
 (each detector, and every frame vs the adaptive schedule), speech recognisers' word error
 rate and real-time factor (Whisper base vs pocketsphinx), end-to-end ingest rate.
 
@@ -8,6 +8,7 @@ random ones and says so.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import tempfile
 import time
@@ -16,7 +17,8 @@ from pathlib import Path
 import cv2
 import torch
 
-from streamgrok.bench.speech import speech_bench
+from benchmarks.speech import speech_bench
+from streamgrok.cli.options import DEFAULTS
 from streamgrok.media.clip import ClipEncoder, ClipWeightsMissing
 from streamgrok.media.decode import decode_container
 from streamgrok.media.items import VideoFrame
@@ -66,7 +68,7 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0,
         encoder, label = clip_baseline(clip_weights)
         images = [f.image for f in decode_container(str(demo), audio=False)
                   if isinstance(f, VideoFrame)][:32]
-        from streamgrok.bench.vision import time_batches, vision_bench
+        from benchmarks.vision import time_batches, vision_bench
 
         rates = {batch: time_batches(encoder.encode, images, batch, 32) for batch in (1, 16)}
         for batch, rate in rates.items():
@@ -99,7 +101,7 @@ def run_media_bench(clip_weights: str | None = None, fps: float = 2.0,
 
 def run_vision_part(clip_weights: str | None, out: str) -> dict:
     """The vision towers alone, on decoded demo frames."""
-    from streamgrok.bench.vision import time_batches, vision_bench
+    from benchmarks.vision import time_batches, vision_bench
 
     with tempfile.TemporaryDirectory() as tmp:
         demo = write_clip(Path(tmp) / "demo.mp4", DEMO_SCENES, width=640, height=360, fps=25)
@@ -155,3 +157,25 @@ def observer_costs(images: list, busy_clip: Path, repeats: int = 5) -> dict:
               f"({stats.other_seconds / max(1, stats.frames) * 1e3:.1f} ms of it motion, "
               "colours and resizing)")
     return results
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    """Add `media` and its arguments to the `python -m benchmarks` commands."""
+    media = benches.add_parser("media", formatter_class=DEFAULTS,
+                               help="decode, CLIP, dedup and ingest rates")
+    media.add_argument("--clip-weights", default=None, help="open_clip checkpoint file")
+    media.add_argument("--fps", type=float, default=2.0, help="sampling rate")
+    media.add_argument("--threads", type=int, default=None, help="torch threads")
+    media.add_argument("--parts", default="all", choices=("all", "vision"),
+                       help="all, or only the vision towers' throughput")
+    media.add_argument("--out", default="bench-results", help="folder for the plot")
+    media.set_defaults(run=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the bench with the parsed command-line arguments."""
+    from streamgrok.runtime import configure_threads
+
+    configure_threads(args.threads)
+    run_media_bench(args.clip_weights, args.fps, args.parts, args.out)
+    return 0

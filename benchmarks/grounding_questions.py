@@ -1,4 +1,4 @@
-"""The questions of `bench grounding` and how an answer is scored.
+"""The questions of `python -m benchmarks grounding` and how an answer is scored.
 
 An answer scores when it contains every expected fact (any of each fact's spellings, as whole
 words; a fact spelled "#430" is a number, matched however it is written: "4:30", "430",

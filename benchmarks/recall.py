@@ -1,4 +1,4 @@
-"""`streamgrok bench kv --parts recall`: what the host tier and recall win back.
+"""`python -m benchmarks kv --parts recall`: what the host tier and recall win back.
 
 Model-independent fidelity first (a 135M model answers retrieval questions poorly even with
 the full cache): for streams of prose and of observer-style notes, at resident budgets of a
@@ -28,8 +28,8 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from streamgrok.bench.caches import bench_cache
-from streamgrok.bench.corpus import long_ids, prose_text
+from benchmarks.caches import bench_cache
+from benchmarks.corpus import long_ids, prose_text
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.recall import attention_scale, causal_logits
 from streamgrok.cache.streaming import feed
@@ -50,7 +50,7 @@ QUESTIONS = {
 
 @dataclass
 class RecallBenchOptions:
-    """What the recall part runs (set from `streamgrok bench kv` options)."""
+    """What the recall part runs (set from `python -m benchmarks kv` options)."""
 
     contexts: tuple[int, ...] = (4096, 7168)
     fractions: tuple[float, ...] = (0.05, 0.1, 0.25)
@@ -274,7 +274,7 @@ def fidelity(loaded: LoadedModel, options: RecallBenchOptions) -> list[dict]:
     rows = []
     total = len(STREAM_KINDS) * len(options.contexts) * (
         1 + len(options.fractions) * len(options.in_stream))
-    bar = tqdm(total=total, desc="bench kv recall fidelity", leave=False)
+    bar = tqdm(total=total, desc="benchmarks kv recall fidelity", leave=False)
     for kind in STREAM_KINDS:
         question = tok.encode(QUESTIONS[kind])
         for context in options.contexts:
@@ -400,7 +400,7 @@ def retrieval(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
     hits: dict[tuple[str, float, str], int] = {}
     tasks = ("passkey", "notes")
     bar = tqdm(total=len(tasks) * len(options.depths) * options.trials,
-               desc="bench kv recall retrieval", leave=False)
+               desc="benchmarks kv recall retrieval", leave=False)
     for task in tasks:
         for depth in options.depths:
             for _ in range(options.trials):
@@ -475,7 +475,7 @@ def long_stream(loaded: LoadedModel, options: RecallBenchOptions) -> dict:
           f"in the stream {_on(in_stream)}", flush=True)
     print(f"{'tokens':>9} {'pages':>7} {'KV MiB':>8} {'host MiB':>9} {'dropped':>10} "
           f"{'RSS MiB':>8} {'s':>6}", flush=True)
-    bar = tqdm(total=total, desc="bench kv recall long stream", unit="tok", leave=False)
+    bar = tqdm(total=total, desc="benchmarks kv recall long stream", unit="tok", leave=False)
     started = time.perf_counter()
     for start in range(0, total, every):
         feed(model, cache, 0, ids[start : start + every], chunk=options.chunk)

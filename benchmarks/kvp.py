@@ -1,4 +1,4 @@
-"""`streamgrok bench kv --parts kvp`: KV-parallel decode on CPU ranks, measured, and a labelled
+"""`python -m benchmarks kv --parts kvp`: KV-parallel decode on CPU ranks, measured, and a labelled
 projection of what the same sharding gives on GPUs.
 
 Measured: one sequence prefilled to each context (full cache, real text), then greedy decode
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from streamgrok.bench.corpus import stdlib_text
-from streamgrok.bench.kv_ranks import StreamResult, StreamScenario, run_ranks
+from benchmarks.corpus import stdlib_text
+from benchmarks.kv_ranks import StreamResult, StreamScenario, run_ranks
 from streamgrok.bench.timing import measurement_env, median
 from streamgrok.cache.config import CacheConfig
 from streamgrok.loading.loader import LoadedModel, load_model

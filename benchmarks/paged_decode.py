@@ -1,4 +1,4 @@
-"""`streamgrok bench kv --parts paged`: the engine's decode steps on the paged streaming
+"""`python -m benchmarks kv --parts paged`: the engine's decode steps on the paged streaming
 cache, attention by the native CPU kernel against the PyTorch path (compiled paged reads),
 the same cache and sequences, steps alternating between the two in one process; for a model
 the native step serves (`--weights q4`), a third column times the whole step as one native
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from streamgrok.bench.caches import bench_cache
-from streamgrok.bench.corpus import long_ids, stdlib_text
+from benchmarks.caches import bench_cache
+from benchmarks.corpus import long_ids, stdlib_text
 from streamgrok.bench.timing import median, timed
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.streaming import feed

@@ -1,24 +1,29 @@
-"""`streamgrok bench decode`: prefill, batch-1 decode and aggregate decode of N sequences at
+"""`python -m benchmarks decode`: prefill, batch-1 decode and aggregate decode of N sequences at
 a real context, per weight format (each in its own process, so peak RSS is its own), with
 teacher-forced accuracy against float32 and, with `--peer llama.cpp`, the same rows measured
 by llama.cpp's own benchmarks on the same GGUF and threads. Ratios are from the same run."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from streamgrok.bench.decode_worker import QUESTIONS
+from benchmarks.decode_worker import QUESTIONS
 from streamgrok.bench.llama_cpp_peer import PeerUnavailable, find_binaries, run_peer
 from streamgrok.bench.timing import measurement_env
+from streamgrok.cli.options import CHAT_KV_DTYPES, DEFAULTS, add_model_options
 from streamgrok.model.generate import KV_CACHE_DTYPES
 from streamgrok.model.quantized import WEIGHT_FORMATS
 
 AGREEMENT_TOKENS = 512
+
+CHECKOUT = Path(__file__).resolve().parents[1]
 
 
 def run_decode_bench(model: str | None, weights: list[str], threads: int | None,
@@ -104,8 +109,10 @@ def _merged(runs: list[dict]) -> dict:
 def _worker(spec: dict, scratch: Path) -> dict:
     path = scratch / f"{spec['weights']}.json"
     path.write_text(json.dumps(spec))
-    done = subprocess.run([sys.executable, "-m", "streamgrok.bench.decode_worker", str(path)],
-                          capture_output=True, text=True, env=measurement_env())
+    env = measurement_env()  # the worker imports this checkout's benchmarks/, from anywhere
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(CHECKOUT), env.get("PYTHONPATH"))))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.decode_worker", str(path)],
+                          capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"the {spec['weights']} run failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -175,3 +182,43 @@ def _plot(columns: list[dict], batches: list[int], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "decode.png", dpi=110)
     print(f"plot: {out / 'decode.png'}")
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    """Add `decode` and its arguments to the `python -m benchmarks` commands."""
+    decode = benches.add_parser("decode", formatter_class=DEFAULTS,
+                                help="prefill and batched decode throughput")
+    decode.add_argument("--prompt-tokens", type=int, default=512, help="prefill length")
+    decode.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    decode.add_argument("--context", type=int, default=512,
+                        help="context of each sequence for the batched decode rows")
+    decode.add_argument("--batch1-context", type=int, default=64,
+                        help="context of the batch-1 decode row (llama-bench's tg128 spans 0-128)")
+    decode.add_argument("--steps", type=int, default=12, help="timed decode steps per batch")
+    decode.add_argument("--repeats", type=int, default=3, help="runs per number (median)")
+    decode.add_argument("--formats", default="f32,bf16,q8,q4",
+                        help="weight formats compared (f32 is the accuracy reference); "
+                             "FORMAT:KV gives one its own K/V cache dtype, e.g. q4:int8")
+    decode.add_argument("--kv-dtype", default="auto", choices=CHAT_KV_DTYPES,
+                        help="K/V cache dtype of every format: auto is bfloat16 for the "
+                             "quantized formats where the CPU has native bfloat16 (llama.cpp's "
+                             "default cache is float16), else the model's compute dtype; int8 "
+                             "keeps a scale per token and head")
+    decode.add_argument("--peer", default=None, choices=("llama.cpp",),
+                        help="also measure llama.cpp's own benchmarks on the same GGUF")
+    decode.add_argument("--peer-bin", default=None,
+                        help="folder with llama-bench and llama-batched-bench (default: PATH)")
+    decode.add_argument("--out", default="bench-results", help="folder for the plot")
+    add_model_options(decode)
+    decode.set_defaults(run=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the bench with the parsed command-line arguments."""
+    run_decode_bench(args.model, args.formats.split(","), args.threads,
+                     prompt_tokens=args.prompt_tokens,
+                     batches=[int(b) for b in args.batches.split(",")],
+                     context=args.context, batch1_context=args.batch1_context,
+                     steps=args.steps, repeats=args.repeats, peer=args.peer,
+                     peer_bin=args.peer_bin, kv_dtype=args.kv_dtype, out=args.out)
+    return 0

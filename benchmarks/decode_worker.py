@@ -1,7 +1,7 @@
-"""One weight format's measurements for `streamgrok bench decode`, in its own process (so
+"""One weight format's measurements for `python -m benchmarks decode`, in its own process (so
 that its peak RSS is its own): prefill, decode at batch 1 and N sequences, teacher-forced
 agreement with the float32 model, and its greedy answers to chat questions against the float32
-model's. `python -m streamgrok.bench.decode_worker SPEC.json`."""
+model's. `python -m benchmarks.decode_worker SPEC.json`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from streamgrok.bench.corpus import prose_text
+from benchmarks.corpus import prose_text
 from streamgrok.bench.timing import median, timed
 from streamgrok.loading.loader import LoadedModel, load_model
 from streamgrok.model.batch import BatchMetadata

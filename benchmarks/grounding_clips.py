@@ -1,5 +1,5 @@
-"""Clips for `bench grounding` drawn from a seed: other photos, voices, colours and sentences
-each time, with three sets of questions per clip.
+"""Clips for `python -m benchmarks grounding` drawn from a seed: other photos, voices,
+colours and sentences each time, with three sets of questions per clip.
 
 - "direct": asked in the words of the note that answers it;
 - "paraphrase": the same facts asked in other words (no content word shares a stem with the
@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from streamgrok.bench.grounding_questions import Clip, Question
+from benchmarks.grounding_questions import Clip, Question
 from streamgrok.media.samples import Scene
 
 PHOTOS = ("coffee", "rocket", "colorwheel", "moon", "coins", "brick", "grass", "gravel", "clock",

@@ -1,4 +1,4 @@
-"""`streamgrok bench grounding`: does the assistant report truthfully what it heard and saw?
+"""`python -m benchmarks grounding`: does the assistant report truthfully what it heard and saw?
 
 Clips with known events (`grounding_clips`: espeak-ng speech in several voices, a person
 entering and leaving, hard cuts, coloured objects crossing, captions) are streamed through
@@ -16,6 +16,7 @@ recogniser, questions asked bare over the stream under the old system prompt).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import tempfile
 import time
@@ -23,9 +24,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from streamgrok.bench.grounding_clips import fixed_clips, generated_clips
-from streamgrok.bench.grounding_questions import Clip, Question, invented, invented_names
+from benchmarks.grounding_clips import fixed_clips, generated_clips
+from benchmarks.grounding_questions import Clip, Question, invented, invented_names
 from streamgrok.cache.config import CacheConfig
+from streamgrok.cli.options import DEFAULTS, add_model_options, load_from_args
 from streamgrok.engine import Engine
 from streamgrok.loading.loader import LoadedModel
 from streamgrok.media.native_pool import NativeMediaPool
@@ -219,3 +221,30 @@ def _plot(summary: dict, out: Path) -> None:
     fig.savefig(out / "grounding.png", dpi=120)
     plt.close(fig)
     print(f"\nplot: {out / 'grounding.png'}")
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    """Add `grounding` and its arguments to the `python -m benchmarks` commands."""
+    grounding = benches.add_parser(
+        "grounding", formatter_class=DEFAULTS,
+        help="questions with known answers on generated clips: as the notes word them, "
+             "in other words, and about what never happened")
+    grounding.add_argument("--pipeline", default="pipelines/live_qa.py", help="pipeline file")
+    grounding.add_argument("--clips", default=None, help="comma-separated clip names")
+    grounding.add_argument("--seed", type=int, default=0,
+                           help="seed the generated clips are drawn from")
+    grounding.add_argument("--generated", type=int, default=5,
+                           help="how many clips to draw from --seed")
+    grounding.add_argument("--configs", default="words,current",
+                           help="comma-separated: current, words (the old note selection), "
+                                "stream, pocketsphinx")
+    grounding.add_argument("--out", default="bench-results", help="folder for the plot")
+    add_model_options(grounding)
+    grounding.set_defaults(run=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the bench with the parsed command-line arguments."""
+    run_grounding_bench(load_from_args(args), args.pipeline, out=args.out, only=args.clips,
+                        seed=args.seed, generated=args.generated, configs=args.configs)
+    return 0

@@ -1,8 +1,9 @@
-"""`streamgrok bench kv`: flat memory, passkey retrieval under budgets, streaming perplexity,
+"""`python -m benchmarks kv`: flat memory, passkey retrieval under budgets, streaming perplexity,
 eviction overhead. Every part runs its baseline (the full cache) in the same invocation."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import time
@@ -13,12 +14,13 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from streamgrok.bench.caches import bench_cache
-from streamgrok.bench.corpus import long_ids, stdlib_text
-from streamgrok.bench.recall import RecallBenchOptions
+from benchmarks.caches import bench_cache
+from benchmarks.corpus import long_ids, stdlib_text
+from benchmarks.recall import RecallBenchOptions
 from streamgrok.bench.timing import median, timed
 from streamgrok.cache.config import CacheConfig
 from streamgrok.cache.streaming import feed, greedy_continue
+from streamgrok.cli.options import DEFAULTS, POLICIES, add_model_options, load_from_args
 from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.batch import BatchMetadata
 
@@ -30,7 +32,7 @@ PASSKEY_FILLER = (
 
 @dataclass
 class KvBenchOptions:
-    """What `streamgrok bench kv` runs."""
+    """What `python -m benchmarks kv` runs."""
 
     parts: tuple[str, ...] = ("flat", "passkey", "ppl", "overhead")
     tokens: int = 100_000
@@ -61,14 +63,14 @@ def run_kv_bench(loaded: LoadedModel, options: KvBenchOptions) -> dict:
                "paged": paged, "moe": experts_spread}
     for part in options.parts:
         if part not in runners:
-            raise ValueError(f"unknown bench kv part {part!r} (choose from {', '.join(runners)})")
+            raise ValueError(f"unknown kv part {part!r} (choose from {', '.join(runners)})")
         options.results[part] = runners[part](loaded, options)
     return options.results
 
 
 def kv_parallel(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     """Decode step time with one sequence's KV sharded over 1, 2, 4 ranks (see bench.kvp)."""
-    from streamgrok.bench.kvp import run_kvp
+    from benchmarks.kvp import run_kvp
 
     return run_kvp(loaded, options.weights, options.kvp_ranks, options.kvp_contexts,
                    options.kvp_decode_steps, options.chunk, options.out_dir)
@@ -76,7 +78,7 @@ def kv_parallel(loaded: LoadedModel, options: KvBenchOptions) -> dict:
 
 def experts_spread(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     """A mixture of experts with its experts and KV over 1, 2, 4 ranks (see bench.moe)."""
-    from streamgrok.bench.moe import run_moe
+    from benchmarks.moe import run_moe
 
     return run_moe(loaded, options.weights, options.kvp_ranks, max(options.kvp_contexts),
                    options.kvp_decode_steps, options.chunk, options.out_dir)
@@ -84,7 +86,7 @@ def experts_spread(loaded: LoadedModel, options: KvBenchOptions) -> dict:
 
 def recall(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     """The host tier and recall: fidelity, retrieval, cost, long stream (see bench.recall)."""
-    from streamgrok.bench.recall import run_recall
+    from benchmarks.recall import run_recall
 
     return run_recall(loaded, options.recall, options.out_dir)
 
@@ -99,7 +101,7 @@ def flat_memory(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     marks[options.tokens] = 1.0
     rows = []
     process = psutil.Process()
-    bar = tqdm(total=options.tokens, desc="bench kv flat", unit="tok", leave=False)
+    bar = tqdm(total=options.tokens, desc="benchmarks kv flat", unit="tok", leave=False)
     started = time.perf_counter()
 
     def record(done: int, _logits) -> None:
@@ -147,7 +149,7 @@ def passkey(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     cases = [(c, d, f"{rng.randint(10000, 99999)}") for c in options.contexts
              for d in options.depths]
     accuracy: dict[tuple[str, float | None, int], float] = {}
-    bar = tqdm(total=len(configs) * len(cases), desc="bench kv passkey", leave=False)
+    bar = tqdm(total=len(configs) * len(cases), desc="benchmarks kv passkey", leave=False)
     for policy, fraction in configs:
         for context in options.contexts:
             hits = 0
@@ -218,7 +220,7 @@ def perplexity(loaded: LoadedModel, options: KvBenchOptions) -> dict:
         cache = bench_cache(loaded, policy, budget, memory_gib=2.0)
         cache.add_sequence(0)
         nll = torch.zeros(options.ppl_tokens)
-        bar = tqdm(total=options.ppl_tokens, desc=f"bench kv ppl {policy}", leave=False)
+        bar = tqdm(total=options.ppl_tokens, desc=f"benchmarks kv ppl {policy}", leave=False)
 
         def score(done: int, logits: torch.Tensor, nll=nll, bar=bar) -> None:
             start = done - logits.shape[0]
@@ -250,7 +252,7 @@ def perplexity(loaded: LoadedModel, options: KvBenchOptions) -> dict:
 
 def paged(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     """Paged decode steps, native CPU attention vs the PyTorch path (bench.paged_decode)."""
-    from streamgrok.bench.paged_decode import paged_decode
+    from benchmarks.paged_decode import paged_decode
 
     return paged_decode(loaded, options.out_dir, options.chunk)
 
@@ -291,3 +293,91 @@ def eviction_overhead(loaded: LoadedModel, options: KvBenchOptions) -> dict:
               f"{step / baseline:>12.2f}x")
         results[policy] = {"step_ms": step * 1e3, "ms_per_pass": per_pass, "share": share}
     return results
+
+
+def register(benches: argparse._SubParsersAction) -> None:
+    """Add `kv` and its arguments to the `python -m benchmarks` commands."""
+    kv = benches.add_parser("kv", formatter_class=DEFAULTS,
+                            help="KV cache: flat memory, passkey, perplexity, overhead")
+    kv.add_argument("--parts", default="flat,passkey,ppl,overhead",
+                    help="which parts to run (also: kvp, KV parallelism over local ranks; "
+                         "recall, the host tier and recall; paged, decode steps with the "
+                         "native CPU attention kernel vs the PyTorch path; moe, a mixture "
+                         "of experts with experts and KV over the kvp ranks)")
+    kv.add_argument("--tokens", type=int, default=100_000, help="tokens streamed (flat part)")
+    kv.add_argument("--budget", type=int, default=2048, help="tokens per layer")
+    kv.add_argument("--flat-policy", default="h2o", choices=POLICIES,
+                    help="policy of the flat-memory part")
+    kv.add_argument("--contexts", default="2048,4096,7168", help="passkey context lengths")
+    kv.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey depths")
+    kv.add_argument("--budget-fractions", default="0.1,0.25,0.5",
+                    help="budgets as fractions of the context")
+    kv.add_argument("--policies", default="sink_window,h2o,snapkv,redundancy,pyramid",
+                    help="policies compared")
+    kv.add_argument("--ppl-tokens", type=int, default=16_384, help="perplexity text length")
+    kv.add_argument("--kvp-ranks", default="1,2,4", help="rank counts of the kvp part")
+    kv.add_argument("--kvp-contexts", default="1024,4096",
+                    help="contexts of the kvp part (the moe part: the largest)")
+    kv.add_argument("--recall-contexts", default="4096,7168",
+                    help="stream lengths of the recall part (within the trained context)")
+    kv.add_argument("--recall-fractions", default="0.05,0.1,0.25",
+                    help="resident budgets of the recall part, as fractions of the context")
+    kv.add_argument("--recall-policy", default="redundancy", choices=POLICIES[1:],
+                    help="eviction policy of the recall part")
+    kv.add_argument("--recall-trials", type=int, default=2,
+                    help="needles per task and depth in the recall part")
+    kv.add_argument("--recall-stream-tokens", type=int, default=200_000,
+                    help="tokens of the recall part's long stream")
+    kv.add_argument("--recall-stream-questions", type=int, default=5,
+                    help="questions (and measured rows) along the long stream")
+    kv.add_argument("--recall-in-stream", default="off,on",
+                    help="the recall part's fidelity with streamed chunks recalling off, on "
+                         "or both (off,on)")
+    kv.add_argument("--recall-parts", default="stream,fidelity,retrieval",
+                    help="what the recall part runs")
+    kv.add_argument("--out", default="bench-results", help="folder for plots")
+    add_model_options(kv)
+    kv.set_defaults(dtype="bfloat16")
+    kv.set_defaults(run=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the bench with the parsed command-line arguments."""
+    run_kv_bench(
+        load_from_args(args),
+        KvBenchOptions(
+            parts=tuple(args.parts.split(",")),
+            tokens=args.tokens,
+            budget=args.budget,
+            flat_policy=args.flat_policy,
+            contexts=tuple(int(x) for x in args.contexts.split(",")),
+            depths=_floats(args.depths),
+            budget_fractions=_floats(args.budget_fractions),
+            policies=tuple(args.policies.split(",")),
+            ppl_tokens=args.ppl_tokens,
+            kvp_ranks=tuple(int(x) for x in args.kvp_ranks.split(",")),
+            kvp_contexts=tuple(int(x) for x in args.kvp_contexts.split(",")),
+            recall=RecallBenchOptions(
+                contexts=tuple(int(x) for x in args.recall_contexts.split(",")),
+                fractions=_floats(args.recall_fractions), policy=args.recall_policy,
+                trials=args.recall_trials, flat_tokens=args.recall_stream_tokens,
+                flat_questions=args.recall_stream_questions,
+                parts=tuple(args.recall_parts.split(",")),
+                in_stream=_on_off(args.recall_in_stream, "--recall-in-stream"),
+                budget=args.budget),
+            weights=args.weights,
+            out_dir=Path(args.out),
+        ),
+    )
+    return 0
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def _on_off(text: str, option: str) -> tuple[bool, ...]:
+    values = text.split(",")
+    if set(values) - {"on", "off"}:
+        raise ValueError(f"{option} takes off, on or off,on, not {text!r}")
+    return tuple(value == "on" for value in values)
