@@ -7,10 +7,11 @@ from streamgrok.server.load import LoadGovernor, LoadLimits, LoadReading
 
 
 def reading(cpu=0.3, media_cpu=None, ttft_s=0.4, stale=0.0, sessions=4,
-            decode_rate=None) -> LoadReading:
+            decode_rate=None, recogniser_busy=0.0) -> LoadReading:
     media_cpu = cpu / 2 if media_cpu is None else media_cpu
     return LoadReading(cpu=cpu, media_cpu=media_cpu, ttft_s=ttft_s, stale=stale,
-                       sessions=sessions, decode_rate=decode_rate)
+                       sessions=sessions, decode_rate=decode_rate,
+                       recogniser_busy=recogniser_busy)
 
 
 def governor() -> LoadGovernor:
@@ -182,3 +183,52 @@ def test_speech_waiting_for_the_recogniser_is_overload():
                         speech_wait_s=1.0)
     gov.tick(heard)
     assert gov.admit(6) is None
+
+
+def admitted_of(gov: LoadGovernor, clients: int) -> tuple[int, list]:
+    """Of `clients` connecting together, how many are admitted, and the refusals."""
+    admitted, refused = 0, []
+    for _ in range(clients):
+        why = gov.admit(admitted)
+        if why:
+            refused.append(why)
+        else:
+            admitted += 1
+    return admitted, refused
+
+
+def test_sessions_are_admitted_up_to_what_the_speech_recogniser_can_hear():
+    """Four sessions kept the shared recogniser busy 16% of a tick: 4% each, so 17 fit under
+    its 70% limit and the rest of 32 clients connecting together are refused with a hint
+    to retry; live sampling is not degraded for it (the frame rate costs the recogniser
+    nothing)."""
+    gov = governor()
+    gov.tick(reading(cpu=0.1, media_cpu=0.0, sessions=4, recogniser_busy=0.16))
+    admitted, refused = admitted_of(gov, 32)
+    assert admitted == 17 and len(refused) == 15
+    assert refused[0].rule == "speech_capacity" and "busy 72%" in refused[0].detail
+    assert refused[0].retry_after_s == gov.limits.retry_after_s
+    assert not gov.degradation.degraded
+
+
+def test_the_recogniser_s_time_counts_in_the_cpu_a_session_adds():
+    """On one core, four sessions cost 8% in media workers and 20% in the recogniser: 7%
+    each, beside 2% of the rest. Twelve fit at the full rate (without the recogniser's share,
+    44 would); the thirteenth halves live sampling."""
+    gov = LoadGovernor(Degradation(), LoadLimits(recogniser_high=1.0), cores=1)
+    gov.tick(reading(cpu=0.3, media_cpu=0.08, sessions=4, recogniser_busy=0.2))
+    assert all(gov.admit(n) is None for n in range(12))
+    assert not gov.degradation.degraded
+    assert gov.admit(12) is None and gov.degradation.fps_scale == 0.5
+
+
+def test_a_server_that_has_not_measured_a_session_admits_a_few_then_asks_to_retry():
+    gov = governor()
+    gov.measuring = True  # its ticks are coming, none with sessions yet
+    gov.tick(reading(sessions=0))
+    admitted, refused = admitted_of(gov, 12)
+    assert admitted == gov.limits.unmeasured_sessions == 8
+    assert {r.rule for r in refused} == {"unmeasured"}
+    assert all(r.retry_after_s == gov.limits.retry_after_s for r in refused)
+    gov.tick(reading(cpu=0.2, media_cpu=0.04, sessions=8))  # measured: 0.5% a session
+    assert gov.admit(8) is None

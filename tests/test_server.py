@@ -436,6 +436,7 @@ async def test_busy_past_capacity_and_a_session_that_leaves_frees_it(tiny_loaded
                 await fifth.send(json.dumps({"type": "session.start", "id": "s5"}))
                 error, _ = await recv_until(fifth, "error")
                 assert error["code"] == "busy" and "sustainable load" in error["message"]
+                assert error["retry_after_ms"] == 2000  # about a tick of the governor
             srv.governor.tick(LoadReading(cpu=0.2, media_cpu=0.05, ttft_s=0.1,
                                            stale=0.0, sessions=1))
             async with connect(url(srv)) as sixth:  # the load fell: admitted again

@@ -24,6 +24,7 @@ QUESTIONS = ["What is on screen right now?", "What has changed in the last secon
 SPEECH_QUESTIONS = ["What was said just now?", "What did the last announcement say?",
                     "Where should people go?", "What time was mentioned?"]
 PHOTOS = ["astronaut", "coffee", "cat", "chelsea", "rocket"]
+ADMISSION_PATIENCE_S = 10.0  # how long a client refused `busy` keeps asking to start
 
 
 @dataclass
@@ -115,6 +116,20 @@ class _Queries:
             result.speech.on_note(message, now - self.audio_started)
 
 
+async def _start_session(ws, name: str, patience_s: float = ADMISSION_PATIENCE_S) -> dict:
+    """`session.start`, sent again after the `retry_after_ms` a `busy` refusal suggests, as
+    a client should, for up to `patience_s`; the server's last answer to it."""
+    give_up = time.monotonic() + patience_s
+    while True:
+        await ws.send(json.dumps({"type": "session.start", "id": name}))
+        first = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        retry_s = first.get("retry_after_ms", 0) / 1e3
+        if first["type"] != "error" or first["code"] != "busy" or not retry_s \
+                or time.monotonic() + retry_s > give_up:
+            return first
+        await asyncio.sleep(retry_s)
+
+
 async def live_client(url: str, name: str, frames: list[bytes], seconds: float,
                       fps: float, ask_every: float, offset: float,
                       answer_timeout: float, speech: SpeechTrack | None = None) -> ClientResult:
@@ -130,8 +145,7 @@ async def live_client(url: str, name: str, frames: list[bytes], seconds: float,
         result.handshake_failed = True
         return result
     async with ws:
-        await ws.send(json.dumps({"type": "session.start", "id": name}))
-        first = json.loads(await asyncio.wait_for(ws.recv(), 120))
+        first = await _start_session(ws, name)
         if first["type"] == "error":
             result.session_refused = first["code"]
             return result

@@ -47,6 +47,12 @@ class SharedResources:
             loaded = list(self._loaded.values())
         return {r.name: r.stats.as_dict() for r in loaded if isinstance(r, SpeechBatcher)}
 
+    def speech_busy_s(self) -> float:
+        """Seconds the shared speech recognisers have worked so far, all of them together."""
+        with self._lock:
+            loaded = list(self._loaded.values())
+        return sum(r.stats.busy_s for r in loaded if isinstance(r, SpeechBatcher))
+
     def speech_model(self) -> SpeechModel:
         """The shared voice-activity model (thread-safe; each session keeps its own state)."""
         return self.get("speech_model", SpeechModel)

@@ -131,12 +131,13 @@ class StreamgrokServer:
         self.metrics = ServerMetrics(
             self.drops, lambda: self.engine.snapshot() if self.engine is not None else None,
             lambda: self.model_name, self.resumption_numbers)
-        self.governor = LoadGovernor(self.resources.degradation, config.load_limits)
+        self.cpu = CpuMeter()
+        self.governor = LoadGovernor(self.resources.degradation, config.load_limits,
+                                     cores=self.cpu.cores)
         self.session_refusals = RefusalLog("session", self.metrics.refused)
         self.question_refusals = RefusalLog("question", self.metrics.refused_questions)
         self.answers_shortened = RefusalLog("answer", self.metrics.shortened_answers,
                                             "shortened", "full length")
-        self.cpu = CpuMeter()
         self._governing: asyncio.Task | None = None
         self.closed_drops: Counter = Counter()  # what finished sessions dropped
         self.closed_frames = 0  # frames finished sessions received
@@ -341,6 +342,7 @@ class StreamgrokServer:
         if self.config.state_dir and self.shelf.enabled:
             self.store = SessionStore(self.config.state_dir, self.state_identity())
         if self.config.load_tick_s is not None:
+            self.governor.measuring = True
             self._governing = asyncio.create_task(self._govern())
         log.info("model %s loaded; serving", self.model_name)
 
@@ -350,6 +352,7 @@ class StreamgrokServer:
         snapshot = self.engine.snapshot()
         decoded, decoding = snapshot["decode_tokens"], snapshot["decode_seconds"]
         self.cpu.read()
+        heard, heard_at = self.resources.speech_busy_s(), time.monotonic()
         while True:
             await asyncio.sleep(self.config.load_tick_s)
             snapshot, now = self.engine.snapshot(), time.monotonic()
@@ -363,11 +366,14 @@ class StreamgrokServer:
             new_frames = frames - received
             received, stale = frames, drops.get("frames_stale", 0)
             cpu, media_cpu = self.cpu.read()
+            busy, heard = self.resources.speech_busy_s() - heard, self.resources.speech_busy_s()
+            tick_s, heard_at = now - heard_at, now
             self.governor.tick(LoadReading(
                 cpu=cpu,
                 media_cpu=media_cpu,
                 ttft_s=max(self.governor.recent_ttft(now), self.oldest_wait(now)),
                 speech_wait_s=self.resources.speech_wait(),
+                recogniser_busy=min(1.0, busy / tick_s) if tick_s > 0 else 0.0,
                 stale=new_stale / new_frames if new_frames > 0 else 0.0,
                 sessions=self.attached_sessions(),
                 decode_rate=rate,

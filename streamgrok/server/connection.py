@@ -187,7 +187,7 @@ class ClientConnection(SessionResumption):
         connection carries on)."""
         match exc:
             case ProtocolError():
-                self.error(exc.code, str(exc), exc.message_id or message_id)
+                self.error(exc.code, str(exc), exc.message_id or message_id, **exc.fields)
             case OptionError():
                 self.error("bad_option", str(exc), message_id)
             case RequestTooLarge():
@@ -261,7 +261,9 @@ class ClientConnection(SessionResumption):
         if saved is None:
             refused = self.server.admission()
             if refused is not None:
-                raise ProtocolError("busy", str(refused), message_id)
+                retry = {} if refused.retry_after_s is None else {
+                    "retry_after_ms": round(refused.retry_after_s * 1000)}
+                raise ProtocolError("busy", str(refused), message_id, **retry)
         pipeline = self.server.session_pipeline(options)
         runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)],
                                 resources=self.server.resources)
@@ -346,7 +348,7 @@ class ClientConnection(SessionResumption):
             raise ProtocolError(
                 "text_backlog", "the session's text queue is full (the model is behind the "
                 "text sent): this input.text was not accepted; send it again after "
-                f"{TEXT_RETRY_MS} ms", message.get("id")) from None
+                f"{TEXT_RETRY_MS} ms", message.get("id"), retry_after_ms=TEXT_RETRY_MS) from None
         self.text_backlogged = False
 
     def _check_text_size(self, message: dict) -> None:

@@ -17,8 +17,16 @@ session and scales with the sampling rate, so the governor learns the workers' C
 at the full rate (what it measured, divided by the rate it measured at). A session that would
 push the CPU past its limit at the current rate first halves live sampling (admitted, and
 projected again at the new rate); at the lowest rate it is refused, also when many clients
-connect at once. The engine's time does not add up that way (the answers of many sessions
-decode in one batch), so it is guarded at the question instead, by its length: when the
+connect at once. Speech is the other cost that adds up per session: the one shared recogniser
+(one thread) is learned as its busy share of each tick per session, which the sampling rate
+does not change. One more session is refused when it would keep the recogniser busy more than
+`recogniser_high` of the time (a queue that full makes transcripts late), and its recogniser
+time counts in the CPU projection too. Until a tick with sessions has measured these costs
+(a server just started), at most `unmeasured_sessions` are admitted; the rest are refused
+with a retry hint of one tick, by when the cost is known.
+
+The engine's time does not add up that way (the answers of many sessions decode in one
+batch), so it is guarded at the question instead, by its length: when the
 tokens the answers in flight may still generate, plus this answer's, would take longer than
 the answer deadline at the decode rate measured under load, a live session's question is
 still queued but its answer is shortened to what fits (not below `min_answer_tokens`). The
@@ -62,6 +70,9 @@ class LoadLimits:
     ttft_window_s: float = 20.0
     rate_ttl_s: float = 30.0  # a decode-rate reading older than this is forgotten
     min_answer_tokens: int = 32  # a live session's answer is never shortened below this
+    recogniser_high: float = 0.7  # the shared speech recogniser's busy share, at most
+    unmeasured_sessions: int = 8  # admitted before any tick has measured a session's cost
+    retry_after_s: float = 2.0  # what a refusal for load suggests (about one tick)
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ class Refusal:
 
     rule: str
     detail: str
+    retry_after_s: float | None = None  # when a retry may succeed, where that is known
 
     def __str__(self) -> str:
         return f"{self.detail} (rule: {self.rule})"
@@ -87,6 +99,7 @@ class LoadReading:
     sessions: int
     decode_rate: float | None = None  # tokens per second of the engine's decode steps
     speech_wait_s: float = 0.0  # how long the oldest speech segment has waited to be heard
+    recogniser_busy: float = 0.0  # share of the tick the shared speech recogniser worked
 
 
 @dataclass
@@ -95,9 +108,12 @@ class LoadGovernor:
 
     degradation: Degradation
     limits: LoadLimits = field(default_factory=LoadLimits)
+    cores: int = 1  # the machine's cores: `LoadReading.cpu` is a share of all of them
+    measuring: bool = False  # ticks are coming (the server measures); else only admit by cost
     last: LoadReading | None = None
     refusing: str = ""  # why new sessions are refused now, empty when admitted
     session_cpu: float | None = None  # the share of the cores a session adds at full rate
+    session_speech: float | None = None  # the recogniser's busy share a session adds
     decode_rate: float | None = None  # tokens/s of the engine's decode steps (average)
     decode_rate_at: float = float("-inf")  # when decode_rate was last measured
     _calm: int = 0
@@ -128,6 +144,8 @@ class LoadGovernor:
         # measured at the rate the sessions ran at during the tick: per session at full rate
         self.session_cpu = _average(self.session_cpu, reading.media_cpu / reading.sessions
                                     / self.degradation.fps_scale)
+        self.session_speech = _average(self.session_speech,
+                                       reading.recogniser_busy / reading.sessions)
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
@@ -157,20 +175,34 @@ class LoadGovernor:
         A session that would push the learned CPU cost past its limit first degrades live
         sampling (admitted when the cost fits at the lower rate); at the lowest rate it is
         refused."""
+        limits = self.limits
         if self.refusing:
-            return Refusal("overload", self.refusing)
+            return Refusal("overload", self.refusing, limits.retry_after_s)
         cost, last = self.session_cpu, self.last
         if cost is None or last is None:
-            return None
+            if not self.measuring or sessions < limits.unmeasured_sessions:
+                return None
+            return Refusal("unmeasured", f"{sessions} sessions started before a session's "
+                           f"cost was measured; it is known within a tick",
+                           limits.retry_after_s)
+        speech = (sessions + 1) * (self.session_speech or 0.0)
+        if speech > limits.recogniser_high:
+            return Refusal("speech_capacity", f"{sessions + 1} sessions would keep the speech "
+                           f"recogniser busy {speech:.0%} of the time "
+                           f"(at most {limits.recogniser_high:.0%})", limits.retry_after_s)
+        # the recogniser's one thread, as a share of all the cores
+        speech_cpu = (self.session_speech or 0.0) / self.cores
+        rest = last.cpu - last.media_cpu - last.recogniser_busy / self.cores
         while True:
-            # the media workers' CPU at the current rate for every session, plus the rest
+            # the media workers' CPU at the current rate and the recogniser's for every
+            # session, plus the rest
             scale = self.degradation.fps_scale
-            projected = last.cpu - last.media_cpu + (sessions + 1) * cost * scale
-            if projected <= self.limits.cpu_high:
+            projected = rest + (sessions + 1) * (cost * scale + speech_cpu)
+            if projected <= limits.cpu_high:
                 return None
             why = f"{sessions + 1} sessions would need {projected:.0%} of the CPU"
             if not self._halve_rate(why):
-                return Refusal("session_cpu", why)
+                return Refusal("session_cpu", why, limits.retry_after_s)
 
     def _halve_rate(self, why: str) -> bool:
         """Halve live sampling for `why`, not below the floor; False when already there."""

@@ -69,12 +69,14 @@ ERROR_CODES = {
 
 
 class ProtocolError(Exception):
-    """A message the server cannot accept; `code` goes into the error event."""
+    """A message the server cannot accept; `code` goes into the error event, and `fields`
+    (such as `retry_after_ms`) beside it."""
 
-    def __init__(self, code: str, message: str, message_id: Any = None) -> None:
+    def __init__(self, code: str, message: str, message_id: Any = None, **fields: Any) -> None:
         super().__init__(message)
         self.code = code
         self.message_id = message_id
+        self.fields = fields
 
 
 @dataclass
