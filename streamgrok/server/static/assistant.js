@@ -98,7 +98,14 @@ function handle(m) {
       break;
     }
     case "event": addEvent(`[${fmt(m.t)}] ${m.kind}: ${m.text}`, m.kind); break;
-    case "error": addEvent(`error ${m.code}: ${m.message}`, "error"); break;
+    case "error":
+      if (m.code === "busy" && m.retry_after_ms && !started && ws.readyState === WebSocket.OPEN) {
+        // the server is at its load: ask to start again when it suggests
+        $("status").textContent = `server busy · trying again in ${(m.retry_after_ms / 1000).toFixed(0)} s`;
+        setTimeout(() => { if (!started && ws.readyState === WebSocket.OPEN)
+          ws.send(JSON.stringify({ type: "session.start", id: "start" })); }, m.retry_after_ms);
+      }
+      addEvent(`error ${m.code}: ${m.message}`, "error"); break;
     case "stats": if (m.resume) resumeHandle = m.resume.handle; showStats(m); break;
   }
 }
