@@ -1,9 +1,12 @@
 """A bounded async channel with an explicit policy for when it is full (Holoscan style).
 
-- "drop_oldest": the oldest waiting item is dropped (live video frames);
-- "block": the producer waits (file sources in non-live mode, text, control);
-- "reject_new": the new item is dropped.
-Every drop is counted. `close()` ends the stream for the consumer after the queued items.
+- `EdgePolicy.DROP_OLDEST` ("drop_oldest"): the oldest waiting item is dropped (live video
+  frames);
+- `EdgePolicy.BLOCK` ("block"): the producer waits (file sources in non-live mode, text,
+  control);
+- `EdgePolicy.REJECT_NEW` ("reject_new"): the new item is dropped.
+A policy may be given by its name. Every drop is counted. `close()` ends the stream for the
+consumer after the queued items.
 """
 
 from __future__ import annotations
@@ -12,10 +15,21 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
-POLICIES = ("drop_oldest", "block", "reject_new")
+
+
+class EdgePolicy(StrEnum):
+    """What a full channel does with the next item."""
+
+    DROP_OLDEST = "drop_oldest"
+    BLOCK = "block"
+    REJECT_NEW = "reject_new"
+
+
+POLICIES = tuple(p.value for p in EdgePolicy)
 
 
 class ChannelClosed(Exception):
@@ -33,12 +47,13 @@ class ChannelStats:
 class Channel(Generic[T]):
     """A bounded FIFO between two async stages."""
 
-    def __init__(self, capacity: int, policy: str = "block", name: str = "") -> None:
+    def __init__(self, capacity: int, policy: EdgePolicy | str = EdgePolicy.BLOCK,
+                 name: str = "") -> None:
         if capacity < 1:
             raise ValueError("channel capacity must be >= 1")
         if policy not in POLICIES:
             raise ValueError(f"unknown channel policy {policy!r} (choose from {POLICIES})")
-        self.capacity, self.policy, self.name = capacity, policy, name
+        self.capacity, self.policy, self.name = capacity, EdgePolicy(policy), name
         self._items: deque[T] = deque()
         self._closed = False
         self._readable = asyncio.Event()
@@ -55,10 +70,10 @@ class Channel(Generic[T]):
             raise ChannelClosed(f"channel {self.name!r} is closed")
         delivered = True
         if len(self._items) >= self.capacity:
-            if self.policy == "reject_new":
+            if self.policy is EdgePolicy.REJECT_NEW:
                 self.stats.dropped += 1
                 return False
-            if self.policy == "drop_oldest":
+            if self.policy is EdgePolicy.DROP_OLDEST:
                 self._items.popleft()
                 self.stats.dropped += 1
                 delivered = False

@@ -145,7 +145,7 @@ async def test_assistant_page_streams_media_and_shows_an_answer(tiny_loaded, tmp
             "document.getElementById('status').textContent")
         await tools.wait_for("document.getElementById('kv').textContent.includes('pages')")
         frames_in = server.engine.snapshot()
-        assert frames_in["prefill_tokens"] > 0
+        assert frames_in.prefill_tokens > 0
         # the server restarts (SIGTERM's drain saves the session; a new process on the same
         # port): the page resumes the same session there
         config.port = server.port

@@ -38,7 +38,7 @@ async def test_engine_on_cuda_triton_matches_the_references_and_samples_on_the_d
             answers[backend] = [await a.text() for a in asks]
             assert await sampled.text()  # a CUDA generator drew on CUDA probabilities
             assert engine.cache.stats.evicted_tokens > 0
-            assert engine.snapshot()["step_ms_p50"] > 0
+            assert engine.snapshot().step_ms_p50 > 0
     assert all(answers["torch"]) and answers["triton"] == answers["torch"]
 
 

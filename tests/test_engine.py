@@ -110,7 +110,7 @@ async def test_flooding_session_cannot_delay_another_first_token(tiny_loaded):
         waited = answer.metrics.first_token_step - answer.metrics.asked_step
         assert waited <= 4  # system prompt + question turn share the step budget fairly
         assert flood.dropped_frames > 0
-        assert engine.snapshot()["dropped_frames"] == flood.dropped_frames
+        assert engine.snapshot().dropped_frames == flood.dropped_frames
 
 
 async def test_full_policy_out_of_pages_waits_and_others_continue(tiny_loaded):
@@ -254,7 +254,7 @@ async def test_sessions_created_and_closed_while_the_engine_steps(tiny_loaded):
         assert {reason for _, reason, _ in ended} <= {"stop", "length", "cancelled"}
         assert engine.stats.errors == 0 and engine.stats.answers_failed == 0
         await asyncio.sleep(0.1)
-        assert engine.snapshot()["sessions"] == 0
+        assert engine.snapshot().sessions == 0
         assert engine.cache.pool.used_pages == 0
 
 

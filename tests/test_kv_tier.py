@@ -368,13 +368,13 @@ async def test_engine_answers_recall_from_the_host_tier_and_report_it(tiny_loade
         assert 0 < metrics["recalled_tokens"] <= 32 * tiny_loaded.config.num_layers
         assert 0.0 < metrics["kv_hit_rate"] <= 1.0
         assert metrics["recall_guard"] is False
-        tier = engine.snapshot()["host_tier"]
+        tier = engine.snapshot().host_tier
         assert tier["recalls"] == 1 and tier["tokens"] > 0
         assert tier["recalled_tokens"] == metrics["recalled_tokens"]
         assert tier["kv_hit_rate_mean"] == pytest.approx(metrics["kv_hit_rate"], abs=1e-4)
         second = session.ask("and now?", SamplingParams(max_tokens=4))
         await second.text()  # the remembered first turn and the second both work
-        assert engine.snapshot()["host_tier"]["recalls"] == 2
+        assert engine.snapshot().host_tier["recalls"] == 2
         await session.close()
         assert engine.cache.tier.used_pages == 0 and engine.cache.pool.used_pages == 0
 

@@ -26,11 +26,11 @@ async def test_a_session_streams_past_two_to_the_twenty_tokens_at_flat_memory(ti
         for _ in range(0, TOTAL, CHUNK):
             ids = torch.randint(3, vocab, (CHUNK,), generator=generator)
             await session.append_tokens(ids, TokenInfo.text(CHUNK))
-            peak_pages = max(peak_pages, engine.snapshot()["kv_pages_used"])
+            peak_pages = max(peak_pages, engine.snapshot().kv_pages_used)
         answer = await session.ask("go?", SamplingParams(max_tokens=8)).text()
         assert answer  # it answers at the end of the stream
         snapshot = engine.snapshot()
-        assert snapshot["prefill_tokens"] >= TOTAL
+        assert snapshot.prefill_tokens >= TOTAL
         seq = engine.cache.sequences[session._state.seq_id]
         assert seq.stream_pos >= TOTAL  # every token went through the stream
         assert seq.layers[0].column(STREAM).max().item() >= TOTAL - 1

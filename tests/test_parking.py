@@ -92,14 +92,14 @@ async def test_a_parked_session_answers_as_if_it_never_left(tiny_loaded):
                 parked = await session.park()
                 assert parked > 0 and session.parked
                 snap = engine.snapshot()
-                assert snap["kv_pages_used"] == 0 and snap["parked_bytes"] == parked
+                assert snap.kv_pages_used == 0 and snap.parked_bytes == parked
                 await session.unpark()
                 assert not session.parked
             second = await session.ask("code?", GREEDY).text()
             await session.close()
             await asyncio.sleep(0.1)
-            assert engine.snapshot()["kv_pages_used"] == 0
-            assert engine.snapshot()["parked_bytes"] == 0
+            assert engine.snapshot().kv_pages_used == 0
+            assert engine.snapshot().parked_bytes == 0
             return first + "|" + second
 
     assert await answer(park=True) == await answer(park=False)

@@ -62,16 +62,16 @@ async def test_a_dropped_session_resumes_with_its_context_and_a_new_handle(serve
         assert stats["resume"]["handle"] == handle
         tokens_before = stats["kv"]["layer_tokens"]
     engine = server.engine
-    await wait_for(lambda: engine.snapshot()["parked_sessions"] == 1)
-    assert engine.snapshot()["kv_pages_used"] == 0  # the detached session holds no pages
-    assert engine.snapshot()["parked_bytes"] > 0 and server.active_sessions == 1
+    await wait_for(lambda: engine.snapshot().parked_sessions == 1)
+    assert engine.snapshot().kv_pages_used == 0  # the detached session holds no pages
+    assert engine.snapshot().parked_bytes > 0 and server.active_sessions == 1
     async with connect(url(server)) as ws:
         await ws.send(json.dumps({"type": "session.resume", "id": "r", "handle": handle}))
         resumed, _ = await recv_until(ws, "session.resumed")
         assert resumed["id"] == "r" and resumed["session_id"] == started["session_id"]
         assert resumed["gap"]["seconds"] >= 0 and resumed["gap"]["end"] >= resumed["gap"]["start"]
         assert resumed["resume"]["handle"] != handle  # rotated: the old one is spent
-        assert engine.snapshot()["parked_sessions"] == 0
+        assert engine.snapshot().parked_sessions == 0
         stats, _ = await recv_until(ws, "stats")
         assert stats["kv"]["layer_tokens"] == tokens_before  # the context is all there
         await ws.send(json.dumps({"type": "query", "id": "q2", "text": "And now?"}))
@@ -94,7 +94,7 @@ async def test_an_answer_finished_while_away_is_delivered_once_on_resume(server)
         handle = (await start(ws))["resume"]["handle"]
         await ws.send(json.dumps({"type": "query", "id": "long", "text": "Tell me a story."}))
         await recv_until(ws, "response.delta")
-    await wait_for(lambda: server.engine.snapshot()["parked_sessions"] == 1)  # after the answer
+    await wait_for(lambda: server.engine.snapshot().parked_sessions == 1)  # after the answer
     async with connect(url(server)) as ws:
         await ws.send(json.dumps({"type": "session.resume", "handle": handle}))
         resumed, seen = await recv_until(ws, "session.resumed")
@@ -150,7 +150,7 @@ async def test_detached_sessions_expire_and_are_bounded(tiny_loaded):
         assert len(srv.shelf.detached()) == 2 and srv.shelf.stats.evicted == 1  # the oldest
         await wait_for(lambda: srv.active_sessions == 0, 10)  # their time ran out
         assert srv.shelf.stats.expired == 2
-        assert srv.engine.snapshot()["parked_bytes"] == 0
+        assert srv.engine.snapshot().parked_bytes == 0
         assert srv.engine.cache.pool.used_pages == 0
         async with connect(url(srv)) as ws:
             await ws.send(json.dumps({"type": "session.resume", "handle": handles[1]}))
@@ -254,7 +254,7 @@ async def test_a_client_bounds_its_context_below_the_servers_budget(tiny_loaded)
             await ws.send(json.dumps({"type": "input.text", "text": f"note {i} " * 30}))
         for _ in range(50):  # the stream grows past the trigger; layers come back to target
             stats, _ = await recv_until(ws, "stats")
-            if stats["evicted_tokens"] > 0 and not server.engine.snapshot()["queue_tokens"].get(
+            if stats["evicted_tokens"] > 0 and not server.engine.snapshot().queue_tokens.get(
                     started["session_id"]):
                 break
         assert stats["evicted_tokens"] > 0

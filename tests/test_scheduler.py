@@ -234,7 +234,7 @@ def test_a_question_behind_a_deep_live_backlog_is_answered_within_a_bounded_numb
     assert events and isinstance(events[0], AnswerDelta), "no first token within 5 steps"
     assert asking.pending.dropped["stale"] == 64  # the backlog went, counted by reason
     assert fresh.done == len(fresh)  # the fresh frame was prefilled before the question
-    assert scheduler.snapshot()["dropped"]["stale"] == 4 * 64
+    assert scheduler.snapshot().dropped["stale"] == 4 * 64
 
 
 def test_a_newer_state_note_replaces_a_waiting_one_and_text_is_never_dropped():

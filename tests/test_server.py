@@ -95,8 +95,8 @@ async def test_cancel_and_disconnect_mid_answer_free_all_pages(server):
     # closed mid-answer: every page comes back (the session waits, detached, for a resume)
     for _ in range(50):
         await asyncio.sleep(0.1)
-        if server.engine.cache.pool.used_pages == 0 and server.engine.snapshot()[
-                "parked_sessions"] == 1:
+        if server.engine.cache.pool.used_pages == 0 and \
+                server.engine.snapshot().parked_sessions == 1:
             break
     assert server.engine.cache.pool.used_pages == 0
     assert server.active_sessions == len(server.shelf.detached()) == 1
@@ -537,7 +537,7 @@ async def test_text_sent_faster_than_the_model_reads_it_is_refused_not_stalled(t
         async with connect(url(srv)) as ws:
             await start(ws)
             sent = [f"Item {i}: a lantern by the river." for i in range(40)]
-            before = srv.engine.snapshot()["prefill_tokens"]
+            before = srv.engine.snapshot().prefill_tokens
             async with srv.engine.paused():
                 for i, text in enumerate(sent):
                     await ws.send(json.dumps({"type": "input.text", "id": f"t{i}",
@@ -559,9 +559,9 @@ async def test_text_sent_faster_than_the_model_reads_it_is_refused_not_stalled(t
             done, _ = await recv_until(ws, "response.done")
             assert done["finish_reason"] in ("stop", "length")
             tokens = sum(len(tiny_loaded.tokenizer.encode(t)) for t in accepted)
-            assert srv.engine.snapshot()["prefill_tokens"] - before >= tokens
+            assert srv.engine.snapshot().prefill_tokens - before >= tokens
             await ws.send(json.dumps({"type": "session.end"}))
             await recv_until(ws, "session.ended")
-        assert srv.engine.snapshot()["kv_pages_used"] == 0
+        assert srv.engine.snapshot().kv_pages_used == 0
     finally:
         await srv.stop()

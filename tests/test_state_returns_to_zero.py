@@ -87,14 +87,14 @@ def counts(server: StreamgrokServer) -> dict:
     """What must be zero when nothing runs (read on the server's loop)."""
     now = time.monotonic()
     snapshot = server.engine.snapshot()
-    answers = snapshot["answers"]
+    answers = snapshot.answers
     return {
         "answers in flight": sum(c.answers_in_flight() for c in server.connections),
         "oldest question wait": server.oldest_wait(now),
         "backlog tokens": server.backlog_tokens(),
-        "engine answers in flight": answers["in_flight"],
-        "engine questions waiting": answers["waiting"],
-        "engine queued tokens": sum(snapshot["queue_tokens"].values()),
+        "engine answers in flight": answers.in_flight,
+        "engine questions waiting": answers.waiting,
+        "engine queued tokens": sum(snapshot.queue_tokens.values()),
         "question refused on idle": str(server.governor.admit_question(
             server.oldest_wait(now), server.backlog_tokens(), 1024, now) or ""),
     }
@@ -309,7 +309,7 @@ class ServerStateMachine(RuleBasedStateMachine):
         while True:  # a vanished client's session ends on the server's own time
             now = self.server_thread.call(lambda: counts(server))
             sessions = self.server_thread.call(lambda: server.active_sessions)
-            pages = server.engine.snapshot()["kv_pages_used"]
+            pages = server.engine.snapshot().kv_pages_used
             settled = (now == zero and sessions == len(self.open) + len(self.detached)
                        and (self.open or pages == 0))  # a detached session holds no page
             if settled:

@@ -136,7 +136,7 @@ async def test_an_engine_sessions_stream_recalls_and_its_answers_still_work(tiny
             await session.append_message(f"note {i}: " + "the camera saw a red car. " * 12)
         answer = session.ask("what was noted?", SamplingParams(max_tokens=6))
         assert await answer.text()
-        tier = engine.snapshot()["host_tier"]
+        tier = engine.snapshot().host_tier
         assert tier["stream_recalls"] > 0 and tier["restored_tokens"] > 0
         assert tier["recalls"] == 1
         kv = engine.cache
@@ -193,7 +193,7 @@ async def test_sessions_in_nano_batches_recall_in_their_streams_independently(ti
         answers = [s.ask("what passed by?", SamplingParams(max_tokens=3)) for s in sessions]
         for answer in answers:  # asked after the notes: they were streamed first
             assert await answer.text()
-        assert engine.snapshot()["host_tier"]["stream_recalls"] > 1
+        assert engine.snapshot().host_tier["stream_recalls"] > 1
         kv = engine.cache
         # read between steps: the engine goes on streaming the remembered turns, and a step
         # that recalls holds a page in both tiers until it commits

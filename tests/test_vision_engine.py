@@ -204,7 +204,7 @@ async def test_a_server_on_a_vision_model_sees_pushed_frames(one_layer_vlm):
                     server.engine.vision.encoder.framing.before(0)
                     + server.engine.vision.encoder.framing.after()))) == 0
         assert server.engine.vision.stats.frames >= 1
-        assert server.engine.snapshot()["vision"]["frames"] >= 1
+        assert server.engine.snapshot().vision["frames"] >= 1
         import urllib.request
 
         exposition = await asyncio.to_thread(lambda: urllib.request.urlopen(

@@ -138,8 +138,8 @@ async def _bench(loaded: LoadedModel, counts: list[int], max_tokens: int, baseli
                       "ttft_p95_ms": percentile(ttft, 95) * 1e3,
                       "tbt_p95_ms": percentile(gaps, 95) * 1e3}
         snap = engine.snapshot()
-        print(f"engine: {snap['steps']} steps, step p50 {snap['step_ms_p50']:.0f} ms, "
-              f"p95 {snap['step_ms_p95']:.0f} ms, evicted {snap['evicted_tokens']} tokens")
+        print(f"engine: {snap.steps} steps, step p50 {snap.step_ms_p50:.0f} ms, "
+              f"p95 {snap.step_ms_p95:.0f} ms, evicted {snap.evicted_tokens} tokens")
     return out
 
 

@@ -113,10 +113,10 @@ async def _run_pipeline(
     print(f"\nstream {stats.stream_time:.1f} s: {stats.notes} notes, {stats.frame_tokens} frame "
           f"tokens, {stats.errors} errors; {len(answered)} answers"
           + (f", TTFT mean {sum(ttfts) / len(ttfts):.0f} ms" if ttfts else ""))
-    print(f"engine: {snap['steps']} steps (p50 {snap['step_ms_p50']:.0f} ms), "
-          f"{snap['prefill_tokens']} prefill + {snap['decode_tokens']} decode tokens; "
-          f"KV peak pages in use now {snap['kv_pages_used']}/{snap['kv_pages_total']}, "
-          f"evicted {snap['evicted_tokens']} tokens")
+    print(f"engine: {snap.steps} steps (p50 {snap.step_ms_p50:.0f} ms), "
+          f"{snap.prefill_tokens} prefill + {snap.decode_tokens} decode tokens; "
+          f"KV peak pages in use now {snap.kv_pages_used}/{snap.kv_pages_total}, "
+          f"evicted {snap.evicted_tokens} tokens")
     if stats.stream_time == 0 and stats.notes == 0 and stats.frame_tokens == 0:
         print(f"streamgrok: error: nothing could be read from {source}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.contract import ContextCache, StepCache
 from streamgrok.cache.kv_group import KVGroup
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.parking import SequenceSnapshot
@@ -42,6 +43,7 @@ from streamgrok.engine.pending import AppendItem, PendingQueue, QuestionMarker
 from streamgrok.engine.runner import ModelRunner, StepThreads
 from streamgrok.engine.scheduler import Scheduler
 from streamgrok.engine.session import Answer, Session
+from streamgrok.engine.snapshot import EngineSnapshot
 from streamgrok.engine.state import AnswerState, SessionState
 from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.loading.loader import LoadedModel
@@ -82,6 +84,7 @@ class Engine:
         # the model's own vision tower, shared by every session (frames batched across them)
         self.vision = (FrameBatcher(loaded.vision, loaded.tokenizer, loaded.model.embed)
                        if loaded.vision is not None else None)
+        self.cache: StepCache
         if self.kv_group is None:
             self.cache = PagedKVCache(
                 loaded.config, cache_config, loaded.model.dtype,
@@ -193,7 +196,11 @@ class Engine:
                     trigger: int | None) -> None:
         """Bound a session's context below the server's budget: each layer is cut back to
         `target` tokens once it holds more than `trigger` (None: the server's). ValueError
-        when they do not fit this cache (see `PagedKVCache.context_bounds`)."""
+        when they do not fit this cache (see `ContextCache.context_bounds`), or where the cache
+        keeps no client bounds (KV parallelism)."""
+        if not isinstance(self.cache, ContextCache):
+            raise ValueError("a session's own context bounds are not available with KV "
+                             "parallelism: leave context.target_tokens unset")
         target, trigger = self.cache.context_bounds(target, trigger, len(state.system_tokens))
         state.context = (target, trigger)
         self._command(SetContext(state, target, trigger))
@@ -258,7 +265,7 @@ class Engine:
             append_to_context=remember,
         )
         state.metrics.prompt_tokens = len(prompt)
-        state.metrics.asked_step = self._snapshot["steps"]
+        state.metrics.asked_step = self._snapshot.steps
         if answer_prefix:
             out.put_nowait(AnswerDelta(answer_prefix))
         session.pending.put(QuestionMarker(state, own_context))
@@ -308,13 +315,13 @@ class Engine:
         finally:
             await session.close()
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> EngineSnapshot:
         """Engine and cache numbers for metrics and the `stats` event: an immutable copy the
         engine thread publishes after every round (never read live engine state); with a
         vision tower also `vision`, the frame batcher's counters."""
         if self.vision is None:
             return self._snapshot
-        return {**self._snapshot, "vision": self.vision.stats.as_dict()}
+        return replace(self._snapshot, vision=self.vision.stats.as_dict())
 
     def protected_limit(self) -> int | None:
         """Most protected tokens (system prompt, a question, a remembered turn) one session
@@ -453,7 +460,8 @@ class Engine:
                     self.scheduler.outputs.wake(
                         lambda done=done, error=error: _resolve(done, error=error))
                 case SetContext(state, target, trigger):
-                    if state.seq_id in self.cache.sequences:
+                    if state.seq_id in self.cache.sequences and \
+                            isinstance(self.cache, ContextCache):
                         self.cache.set_context(state.seq_id, target, trigger)
                 case RestoreSession(state, snapshot):
                     self.scheduler.restore(state, snapshot)

@@ -11,14 +11,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
-from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.contract import SequenceCache
 from streamgrok.engine.config import EngineConfig
 from streamgrok.engine.pending import AppendItem
-from streamgrok.engine.state import AnswerState, SessionState
+from streamgrok.engine.state import AnswerPhase, AnswerState, SessionState
 from streamgrok.stream_tokens import TokenInfo
+
+
+class SpanKind(StrEnum):
+    """What a span of a step is: one decoded token of an answer, a chunk of a question's
+    turn (its prompt), or a chunk of the session's stream (media, notes, text)."""
+
+    DECODE = "decode"
+    PROMPT = "prompt"
+    MEDIA = "media"
 
 
 @dataclass
@@ -29,7 +39,7 @@ class Span:
     token_ids: torch.Tensor
     info: TokenInfo
     embeddings: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (row, vectors)
-    kind: str = "media"  # "decode", "prompt" (a question's turn) or "media"
+    kind: SpanKind = SpanKind.MEDIA
     answer: AnswerState | None = None
     samples: bool = False  # sample a token from this span's last row
     items: list[tuple[AppendItem, int]] = field(default_factory=list)  # media consumed
@@ -40,7 +50,7 @@ class Span:
 
     @property
     def is_decode(self) -> bool:
-        return self.kind == "decode"
+        return self.kind is SpanKind.DECODE
 
     def release(self) -> None:
         """Give the claimed media back to its queue (the span will not run)."""
@@ -78,7 +88,7 @@ class Planner:
     """Chooses each step's work under the token budget and the free pages (it changes no
     state but the media it claims for the plan and its own round-robin turns)."""
 
-    def __init__(self, config: EngineConfig, cache: PagedKVCache) -> None:
+    def __init__(self, config: EngineConfig, cache: SequenceCache) -> None:
         self.config = config
         self.cache = cache
         self._decode_turn = 0
@@ -91,28 +101,29 @@ class Planner:
         answers = [a for s in sessions for a in s.answers.values()
                    if not a.cancel_requested.is_set()]
 
-        decoding = [a for a in answers if a.phase == "decode" and a.next_token is not None]
+        decoding = [a for a in answers
+                    if a.phase is AnswerPhase.DECODE and a.next_token is not None]
         decoding = _rotate(decoding, self._decode_turn)[: min(self.config.max_batch, budget)]
         self._decode_turn += 1
         for answer in decoding:
             if free.take(answer.seq_id, 1):
                 plan.spans.append(Span(
                     answer.seq_id, torch.tensor([answer.next_token]),
-                    TokenInfo.text(1, protected=True), kind="decode", answer=answer,
+                    TokenInfo.text(1, protected=True), kind=SpanKind.DECODE, answer=answer,
                     samples=True,
                 ))
                 budget -= 1
 
         if plan.spans:  # decodes run this step: keep it short so time between tokens stays low
             budget = min(budget, self.config.decode_step_prefill)
-        prompts = [a for a in answers if a.phase == "prompt"]
+        prompts = [a for a in answers if a.phase is AnswerPhase.PROMPT]
         for answer in prompts:
             share = min(answer.prompt.numel() - answer.prompt_done, budget)
             if share <= 0 or not free.take(answer.seq_id, share):
                 continue
             ids = answer.prompt[answer.prompt_done : answer.prompt_done + share]
             plan.spans.append(Span(
-                answer.seq_id, ids, TokenInfo.text(share, protected=True), kind="prompt",
+                answer.seq_id, ids, TokenInfo.text(share, protected=True), kind=SpanKind.PROMPT,
                 answer=answer, samples=answer.prompt_done + share == answer.prompt.numel(),
             ))
             budget -= share
@@ -150,7 +161,7 @@ class Planner:
 class _PageBudget:
     """Free pages left for this step as spans are added."""
 
-    def __init__(self, cache: PagedKVCache) -> None:
+    def __init__(self, cache: SequenceCache) -> None:
         self.cache = cache
         self.free = cache.pool.free_pages
 

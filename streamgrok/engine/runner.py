@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.contract import StepCache
 from streamgrok.engine.plan import Span, StepPlan
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.llama import Transformer
@@ -54,7 +54,7 @@ class StepThreads:
 class ModelRunner:
     """Runs one engine step on the model and returns a sampled token per sampling span."""
 
-    def __init__(self, model: Transformer, backend: PagedKVCache, nano_batches: int = 1,
+    def __init__(self, model: Transformer, backend: StepCache, nano_batches: int = 1,
                  length_ratio: float = 0.8, threads: StepThreads | None = None) -> None:
         self.model = model
         self.threads = threads

@@ -17,13 +17,14 @@ from collections.abc import Callable
 
 import torch
 
-from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.contract import RecallingCache, ResumableCache, SequenceCache
 from streamgrok.cache.parking import SequenceSnapshot
 from streamgrok.engine.config import EngineConfig
 from streamgrok.engine.events import AnswerDelta, AnswerDone, AnswerFailed, StepOutputs
 from streamgrok.engine.metrics import EngineStats, StepRecord, percentile
 from streamgrok.engine.pending import AppendItem, QuestionMarker
-from streamgrok.engine.plan import Planner, Span, StepPlan
+from streamgrok.engine.plan import Planner, Span, SpanKind, StepPlan
+from streamgrok.engine.snapshot import AnswerCounts, EngineSnapshot, LastStep
 from streamgrok.engine.state import AnswerState, SessionState
 from streamgrok.errors import CacheFullError
 from streamgrok.stream_tokens import TokenInfo
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class Scheduler:
     """Sessions, answers and their transitions; plans and applies engine steps."""
 
-    def __init__(self, config: EngineConfig, cache: PagedKVCache, ids: itertools.count,
+    def __init__(self, config: EngineConfig, cache: SequenceCache, ids: itertools.count,
                  end_of_turn: list[int], protected_limit: int | None) -> None:
         self.config = config
         self.cache = cache
@@ -45,6 +46,10 @@ class Scheduler:
         self._ids = ids
         self._end_of_turn = end_of_turn
         self._protected_limit = protected_limit
+        # what this cache can do beyond the scheduler's side (None where it cannot)
+        self.resumable = cache if isinstance(cache, ResumableCache) else None
+        self.recalling = cache if cache.tier is not None and isinstance(cache, RecallingCache) \
+            else None
 
     # -- commands --------------------------------------------------------------------------
 
@@ -72,7 +77,9 @@ class Scheduler:
         """Start a session from a snapshot of another process's, parked."""
         self.sessions[state.session_id] = state
         try:
-            self.cache.import_sequence(state.seq_id, snapshot)
+            if self.resumable is None:
+                raise ValueError("this engine's cache cannot restore sessions (KV parallelism)")
+            self.resumable.import_sequence(state.seq_id, snapshot)
         except Exception as exc:
             log.warning("session %d could not be restored: %s", state.session_id, exc)
             self.close(state, error=f"session could not be restored: {exc}")
@@ -81,10 +88,10 @@ class Scheduler:
 
     def export(self, state: SessionState) -> tuple[SequenceSnapshot | None, Exception | None]:
         """A parked session's sequence as a snapshot, or the reason there is none."""
-        if state.closing or not state.parked:
+        if state.closing or not state.parked or self.resumable is None:
             return None, RuntimeError("only a parked, open session can be exported")
         try:
-            return self.cache.export_sequence(state.seq_id), None
+            return self.resumable.export_sequence(state.seq_id), None
         except Exception as exc:
             return None, exc
 
@@ -116,7 +123,7 @@ class Scheduler:
     def request_park(self, state: SessionState, reply: Callable[[int], None]) -> None:
         """Park the session's KV (see `Engine.park_session`) once it is idle; `reply` gets
         the parked bytes on the event loop (0: not parked)."""
-        if state.closing or getattr(self.cache, "park", None) is None:
+        if state.closing or self.resumable is None:
             self.outputs.wake(lambda: reply(0))  # closed, or a cache that cannot park
             return
         state.park_waiters.append(reply)
@@ -126,10 +133,10 @@ class Scheduler:
         """Bring a parked session back (or call off its pending park); the CacheFullError
         when the pool lacks the pages (it stays parked)."""
         self._call_off_park(state)
-        if not state.parked or state.closing:
+        if not state.parked or state.closing or self.resumable is None:
             return None
         try:
-            self.cache.unpark(state.seq_id)
+            self.resumable.unpark(state.seq_id)
         except CacheFullError as exc:
             return exc
         state.parked = False
@@ -142,11 +149,13 @@ class Scheduler:
 
     def _park_idle(self) -> None:
         """Park the sessions asked to park that have nothing running or queued."""
+        if self.resumable is None:
+            return
         for state in self.sessions.values():
             if (not state.park_waiters or state.closing or not state.registered
                     or state.answers or len(state.pending)):
                 continue
-            parked = self.cache.park(state.seq_id)
+            parked = self.resumable.park(state.seq_id)
             state.parked = True
             self.stats.parks += 1
             waiters, state.park_waiters = state.park_waiters, []
@@ -180,11 +189,11 @@ class Scheduler:
         for index, span in enumerate(plan.spans):
             if index in failed:
                 self._fail_span(span, f"engine step failed: {failed[index]}")
-            elif span.kind == "media":
+            elif span.kind is SpanKind.MEDIA:
                 self._consume(span)
             else:
                 answer = span.answer
-                if span.kind == "prompt":
+                if span.kind is SpanKind.PROMPT:
                     answer.prompt_done += len(span)
                     self._take_recall(answer)
                 if index in sampled:
@@ -203,8 +212,8 @@ class Scheduler:
             self._fail_sequence(seq_id, f"the KV cache could not make room: {exc}")
         self._publish_prefixes()
 
-    def snapshot(self) -> dict:
-        """Engine and cache numbers, as a new dict (the engine publishes it read-only)."""
+    def snapshot(self) -> EngineSnapshot:
+        """Engine and cache numbers now, as an immutable value."""
         stats = self.stats
         recent = list(stats.recent)
         step_ms = [r.seconds * 1e3 for r in recent]
@@ -213,41 +222,41 @@ class Scheduler:
         dropped = Counter(stats.dropped)
         for session in sessions:
             dropped.update(session.pending.dropped)
-        return {
-            "sessions": len(sessions),
-            "steps": stats.steps,
-            "decode_tokens": stats.decode_tokens,
-            "decode_seconds": stats.decode_seconds,
-            "prefill_tokens": stats.prefill_tokens,
-            "answers": {
-                "started": stats.answers_started,
-                "finished": stats.answers_finished,
-                "cancelled": stats.answers_cancelled,
-                "failed": stats.answers_failed,
-                "in_flight": sum(len(s.answers) for s in sessions),  # started, not ended
-                "waiting": sum(s.pending.questions_waiting() for s in sessions),
-            },
-            "step_ms_p50": percentile(step_ms, 50),
-            "step_ms_p95": percentile(step_ms, 95),
-            "last_step": None if not recent else {
-                "decode_tokens": recent[-1].decode_tokens,
-                "prefill_tokens": recent[-1].prefill_tokens,
-                "sequences": recent[-1].sequences,
-            },
-            "queue_tokens": {s.session_id: s.pending.pending_tokens() for s in sessions},
-            "kv_pages_used": pool.used_pages,
-            "kv_pages_total": pool.num_pages,
-            "kv_bytes_used": pool.used_pages * self.cache.page_bytes,
-            "parked_sessions": sum(1 for s in sessions if s.parked),
-            "parked_bytes": getattr(self.cache, "parked_bytes", 0),
-            "evicted_tokens": self.cache.stats.evicted_tokens,
-            "eviction_passes": self.cache.stats.eviction_passes,
-            "dropped_frames": sum(dropped.values()),
-            "dropped": dict(dropped),
-            "unprotected_tokens": stats.unprotected_tokens,
-            "host_tier": self._tier_snapshot(),
-            "errors": stats.errors,
-        }
+        return EngineSnapshot(
+            sessions=len(sessions),
+            steps=stats.steps,
+            decode_tokens=stats.decode_tokens,
+            decode_seconds=stats.decode_seconds,
+            prefill_tokens=stats.prefill_tokens,
+            answers=AnswerCounts(
+                started=stats.answers_started,
+                finished=stats.answers_finished,
+                cancelled=stats.answers_cancelled,
+                failed=stats.answers_failed,
+                in_flight=sum(len(s.answers) for s in sessions),
+                waiting=sum(s.pending.questions_waiting() for s in sessions),
+            ),
+            step_ms_p50=percentile(step_ms, 50),
+            step_ms_p95=percentile(step_ms, 95),
+            last_step=None if not recent else LastStep(
+                decode_tokens=recent[-1].decode_tokens,
+                prefill_tokens=recent[-1].prefill_tokens,
+                sequences=recent[-1].sequences,
+            ),
+            queue_tokens={s.session_id: s.pending.pending_tokens() for s in sessions},
+            kv_pages_used=pool.used_pages,
+            kv_pages_total=pool.num_pages,
+            kv_bytes_used=pool.used_pages * self.cache.page_bytes,
+            parked_sessions=sum(1 for s in sessions if s.parked),
+            parked_bytes=self.resumable.parked_bytes if self.resumable else 0,
+            evicted_tokens=self.cache.stats.evicted_tokens,
+            eviction_passes=self.cache.stats.eviction_passes,
+            dropped_frames=sum(dropped.values()),
+            dropped=dict(dropped),
+            unprotected_tokens=stats.unprotected_tokens,
+            host_tier=self._tier_snapshot(),
+            errors=stats.errors,
+        )
 
     def _tier_snapshot(self) -> dict | None:
         tier = self.cache.tier
@@ -314,8 +323,8 @@ class Scheduler:
             self._fail(answer, f"cannot start the answer: {exc}")
             return "ended"
         answer.seq_id = seq_id
-        if self.cache.tier is not None and not marker.own_context:
-            self.cache.recall_next_pass(seq_id, room=answer.sampling.max_tokens + 1)
+        if self.recalling is not None and not marker.own_context:
+            self.recalling.recall_next_pass(seq_id, room=answer.sampling.max_tokens + 1)
         session.answers[answer.answer_id] = answer
         self.stats.answers_started += 1
         return "started"
@@ -332,9 +341,9 @@ class Scheduler:
 
     def _take_recall(self, answer: AnswerState) -> None:
         """What recall did during the question's first prefill chunk, for its metrics."""
-        if self.cache.tier is None or answer.metrics.recall is not None:
+        if self.recalling is None or answer.metrics.recall is not None:
             return
-        result = self.cache.take_recall(answer.seq_id)
+        result = self.recalling.take_recall(answer.seq_id)
         if result is None:
             return
         answer.metrics.recall = result.as_dict()

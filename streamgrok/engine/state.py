@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
@@ -13,6 +14,15 @@ from streamgrok.engine.metrics import AnswerMetrics
 from streamgrok.engine.pending import PendingQueue
 from streamgrok.model.detokenizer import IncrementalDetokenizer
 from streamgrok.model.sampling import SamplingParams
+
+
+class AnswerPhase(StrEnum):
+    """Where an answer is: its question not yet reached in the stream, its prompt being
+    prefilled, or its tokens being decoded."""
+
+    WAITING = "waiting"
+    PROMPT = "prompt"
+    DECODE = "decode"
 
 
 @dataclass
@@ -36,10 +46,13 @@ class AnswerState:
     cancel_requested: threading.Event = field(default_factory=threading.Event)
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> AnswerPhase:
+        """Where the answer is: waiting for its turn in the stream, prefilling its prompt,
+        or decoding."""
         if self.seq_id is None:
-            return "waiting"
-        return "prompt" if self.prompt_done < self.prompt.numel() else "decode"
+            return AnswerPhase.WAITING
+        return AnswerPhase.PROMPT if self.prompt_done < self.prompt.numel() \
+            else AnswerPhase.DECODE
 
 
 @dataclass

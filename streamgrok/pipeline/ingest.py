@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from streamgrok.channel import Channel, ChannelClosed
+from streamgrok.channel import Channel, ChannelClosed, EdgePolicy
 from streamgrok.media.audio import SpeechModel
 from streamgrok.media.clip import ClipEncoder
 from streamgrok.media.decode import RealTimePacer, decode_container
@@ -177,9 +177,9 @@ class Ingest:
         """The bounded channels the stages read: video (drop-oldest when live, else block)
         and audio (block). Push VideoFrame/AudioChunk/MediaError items into them directly
         (frames and PCM from a browser) or through `decode_into` (containers)."""
-        policy = "drop_oldest" if self.config.live else "block"
+        policy = EdgePolicy.DROP_OLDEST if self.config.live else EdgePolicy.BLOCK
         return (Channel(self.config.frame_queue, policy, "video"),
-                Channel(256, "block", "audio"))
+                Channel(256, EdgePolicy.BLOCK, "audio"))
 
     def decode_into(
         self,
@@ -212,7 +212,7 @@ class Ingest:
         report = _Reports()
         video_chain, video_tasks = start_chain(video, report, "video-out", source=video_in)
         audio_chain, audio_tasks = start_chain(audio, report, "audio-out", source=audio_in)
-        out: Channel = Channel(64, "block", "ingest-out")
+        out: Channel = Channel(64, EdgePolicy.BLOCK, "ingest-out")
         # live: an input silent for 2 s of stream time (no microphone) must not stall the rest;
         # files: strict order
         merger = Interleaver(["video", "audio"],

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import cv2
 import torch
 
+from streamgrok.channel import EdgePolicy
 from streamgrok.errors import StreamgrokError
 from streamgrok.media.audio import (
     RATE,
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from streamgrok.pipeline.ingest import IngestStats
 
 TICK_SECONDS = 0.5
-INNER_EDGE = Edge(capacity=4, policy="block")  # between built-in stages: the input drops
+INNER_EDGE = Edge(capacity=4, policy=EdgePolicy.BLOCK)  # between built-in stages: the input drops
 
 
 def drop_if_stale(frame: VideoFrame, max_age_s: float | None,

@@ -384,8 +384,8 @@ class PipelineRunner:
             "frames_dropped": ingest.dropped_frames if ingest else 0,
             "frame_drops": ingest.drops() if ingest else {},
             "notes": self.stats.notes,
-            "kv_pages_used": snap["kv_pages_used"],
-            "kv_pages_total": snap["kv_pages_total"],
-            "evicted_tokens": snap["evicted_tokens"],
+            "kv_pages_used": snap.kv_pages_used,
+            "kv_pages_total": snap.kv_pages_total,
+            "evicted_tokens": snap.evicted_tokens,
         }
 

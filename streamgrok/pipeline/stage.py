@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from streamgrok.channel import Channel
+from streamgrok.channel import Channel, EdgePolicy
 from streamgrok.pipeline.events import ErrorEvent, PipelineEvent
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ class Edge:
     """The channel in front of a stage: its capacity and what happens when it is full."""
 
     capacity: int = 64
-    policy: str = "block"
+    policy: EdgePolicy | str = EdgePolicy.BLOCK  # or its name, e.g. "drop_oldest"
 
 
 class Stage:
@@ -86,7 +86,7 @@ def start_chain(
     """Channels (one in front of each stage, its edge; then the sink's) and the running stage
     tasks. Put items into channels[0] (or `source`), read results from channels[-1]."""
     channels = [Channel(s.edge.capacity, s.edge.policy, s.name) for s in stages]
-    channels.append(Channel(64, "block", sink))
+    channels.append(Channel(64, EdgePolicy.BLOCK, sink))
     if source is not None:
         channels[0] = source
     tasks = [asyncio.create_task(run_stage(s, channels[i], channels[i + 1], report))

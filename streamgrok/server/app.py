@@ -350,15 +350,15 @@ class StreamgrokServer:
         """Measure the load every tick and let the governor degrade, restore or refuse."""
         received = stale = 0
         snapshot = self.engine.snapshot()
-        decoded, decoding = snapshot["decode_tokens"], snapshot["decode_seconds"]
+        decoded, decoding = snapshot.decode_tokens, snapshot.decode_seconds
         self.cpu.read()
         heard, heard_at = self.resources.speech_busy_s(), time.monotonic()
         while True:
             await asyncio.sleep(self.config.load_tick_s)
             snapshot, now = self.engine.snapshot(), time.monotonic()
-            rate = decode_rate(snapshot["decode_tokens"] - decoded,
-                               snapshot["decode_seconds"] - decoding)
-            decoded, decoding = snapshot["decode_tokens"], snapshot["decode_seconds"]
+            rate = decode_rate(snapshot.decode_tokens - decoded,
+                               snapshot.decode_seconds - decoding)
+            decoded, decoding = snapshot.decode_tokens, snapshot.decode_seconds
             drops = self.drops()
             frames = self.closed_frames + sum(c.frame_index for c in self.connections
                                               if c.runner is not None)

@@ -530,12 +530,12 @@ class ClientConnection(SessionResumption):
         info = await runner.session.cache_info() if runner else {}
         drops = self.drops()
         return {
-            "kv": {"pages_used": snap["kv_pages_used"], "pages_total": snap["kv_pages_total"],
+            "kv": {"pages_used": snap.kv_pages_used, "pages_total": snap.kv_pages_total,
                    "layer_tokens": info.get("layer_tokens", []),
                    "layer_budget": engine.cache.budgets},
-            "evicted_tokens": snap["evicted_tokens"],
-            "host_tier": snap.get("host_tier"),
-            "vision": snap.get("vision"),
+            "evicted_tokens": snap.evicted_tokens,
+            "host_tier": snap.host_tier,
+            "vision": snap.vision,
             "retained": info.get("retained", []),
             "drops": {"frames": sum(v for k, v in drops.items() if k.startswith("frames_")),
                       **drops},
@@ -543,7 +543,7 @@ class ClientConnection(SessionResumption):
             "load": self.load_info(),
             "speech": self.server.resources.speech_stats(),
             "stream_time": runner.stats.stream_time if runner else 0.0,
-            "latency": {"step_ms_p50": snap["step_ms_p50"], "step_ms_p95": snap["step_ms_p95"]},
+            "latency": {"step_ms_p50": snap.step_ms_p50, "step_ms_p95": snap.step_ms_p95},
             "resume": self.resume_info(),
         }
 

@@ -127,33 +127,33 @@ class _EngineCollector(Collector):
         yield info
         if snap is None:  # the model is loading
             return
-        used, total = snap["kv_pages_used"], snap["kv_pages_total"]
+        used, total = snap.kv_pages_used, snap.kv_pages_total
         yield GaugeMetricFamily("streamgrok_kv_pages_in_use", "KV pages in use", value=used)
         yield GaugeMetricFamily("streamgrok_kv_pages_capacity", "KV pages in the pool",
                                 value=total)
         yield GaugeMetricFamily("streamgrok_kv_usage_ratio", "KV pages in use over the pool",
                                 value=used / total if total else 0.0)
         yield GaugeMetricFamily("streamgrok_kv_used_bytes", "KV bytes in use",
-                                value=snap["kv_bytes_used"])
+                                value=snap.kv_bytes_used)
         yield GaugeMetricFamily("streamgrok_kv_parked_bytes", "KV bytes of detached sessions "
-                                "parked in host memory", value=snap.get("parked_bytes", 0))
+                                "parked in host memory", value=snap.parked_bytes)
         yield CounterMetricFamily("streamgrok_evicted_tokens", "Tokens evicted from the KV cache",
-                                  value=snap["evicted_tokens"])
-        yield from _tier_metrics(snap.get("host_tier"))
-        yield from _vision_metrics(snap.get("vision"))
+                                  value=snap.evicted_tokens)
+        yield from _tier_metrics(snap.host_tier)
+        yield from _vision_metrics(snap.vision)
         yield CounterMetricFamily("streamgrok_prefill_tokens", "Tokens prefilled",
-                                  value=snap["prefill_tokens"])
+                                  value=snap.prefill_tokens)
         yield CounterMetricFamily("streamgrok_decode_tokens", "Tokens decoded",
-                                  value=snap["decode_tokens"])
-        yield CounterMetricFamily("streamgrok_engine_steps", "Engine steps", value=snap["steps"])
+                                  value=snap.decode_tokens)
+        yield CounterMetricFamily("streamgrok_engine_steps", "Engine steps", value=snap.steps)
         dropped = CounterMetricFamily("streamgrok_engine_dropped",
                                       "Items the engine dropped from session queues, by reason",
                                       labels=["reason"])
-        for reason, count in sorted(snap["dropped"].items()):
+        for reason, count in sorted(snap.dropped.items()):
             dropped.add_metric([reason], count)
         yield dropped
         yield GaugeMetricFamily("streamgrok_engine_sessions", "Engine sessions (live and "
-                                "one-shot HTTP requests)", value=snap["sessions"])
+                                "one-shot HTTP requests)", value=snap.sessions)
 
 
 def _vision_metrics(vision: dict | None) -> Iterator[CounterMetricFamily]:
