@@ -46,6 +46,12 @@ class Row:
     seconds: float
     cpu_cores: float
     rss_mb: float
+    speech_server: dict[str, dict] | None = None  # the server's recogniser counters in the row
+
+    @property
+    def admitted(self) -> int:
+        """Clients whose session started (after retrying `busy` as the server suggested)."""
+        return sum(1 for r in self.results if not r.session_refused and not r.handshake_failed)
 
     def ttft(self, q: float) -> float:
         return percentile([t for r in self.results for t in r.ttfts], q)
@@ -77,8 +83,11 @@ class Row:
         return speech_summary(self.results, within_s)
 
     def recognisers(self) -> dict[str, dict]:
-        """What the server's shared speech recognisers did during the row (from the clients'
-        first and last `stats`)."""
+        """What the server's shared speech recognisers did during the row: from its
+        /metrics before and after the row where the bench started the server, else from the
+        clients' first and last `stats`."""
+        if self.speech_server is not None:
+            return self.speech_server
         last = max((r.stats for r in self.results if r.stats),
                    key=lambda st: st.get("stream_time", 0.0), default={})
         first = next((r.first_stats for r in self.results if r.first_stats), {})
@@ -103,6 +112,7 @@ async def run_row(url: str, server: ServerProcess | None, clients: int, args,
                   clips: list | None = None) -> Row:
     frames = [frame_bytes(i) for i in range(10 * len(PHOTOS))]
     cpu_before = _cpu_seconds(server)
+    heard_before = await asyncio.to_thread(server.speech_metrics) if server else None
     started = time.monotonic()
     rss_peak = 0.0
 
@@ -125,7 +135,17 @@ async def run_row(url: str, server: ServerProcess | None, clients: int, args,
         sampler.cancel()
     wall = time.monotonic() - started
     cpu = (_cpu_seconds(server) - cpu_before) / wall if server is not None else float("nan")
-    return Row(clients, list(results), args.seconds, cpu, rss_peak or float("nan"))
+    heard = None
+    if server is not None:
+        heard = _difference(heard_before, await asyncio.to_thread(server.speech_metrics))
+    return Row(clients, list(results), args.seconds, cpu, rss_peak or float("nan"), heard)
+
+
+def _difference(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """What each recogniser's counters grew by between two reads (its wait p95: the later)."""
+    return {name: {**now, **{k: now[k] - before.get(name, {}).get(k, 0) for k in
+                             ("segments", "calls", "audio_s", "busy_s", "dropped")}}
+            for name, now in after.items()}
 
 
 def _cpu_seconds(server: ServerProcess | None) -> float:
@@ -140,12 +160,13 @@ def _cpu_seconds(server: ServerProcess | None) -> float:
 
 
 def print_rows(rows: list[Row]) -> None:
-    print(f"\n{'N':>3} {'asked':>5} {'answered':>8} {'failed':>6} {'refused':>7} "
+    print(f"\n{'N':>3} {'admitted':>8} {'asked':>5} {'answered':>8} {'failed':>6} {'refused':>7} "
           f"{'no-answer':>9} {'TTFT p50':>8} {'p95':>6} {'p99':>6} {'TBT p95':>7} "
           f"{'frames sent':>11} {'processed':>9} {'fps/sess':>8} {'CPU cores':>9} "
           f"{'RSS MB':>6}")
     for row in rows:
-        print(f"{row.clients:3d} {row.total('asked'):5d} {row.total('answered'):8d} "
+        print(f"{row.clients:3d} {row.admitted:8d} {row.total('asked'):5d} "
+              f"{row.total('answered'):8d} "
               f"{row.total('failed'):6d} {sum(row.refused.values()):7d} "
               f"{row.total('unanswered'):9d} {milliseconds(row.ttft(50)):>8} "
               f"{milliseconds(row.ttft(95)):>6} {milliseconds(row.ttft(99)):>6} "

@@ -71,6 +71,22 @@ class ServerProcess:
         match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
         return float(match.group(1)) if match else float("nan")
 
+    def speech_metrics(self) -> dict[str, dict]:
+        """The shared speech recognisers' counters from /metrics, by recogniser: segments,
+        calls, audio_s, busy_s, dropped and wait_p95_s (see `BatcherStats.as_dict`)."""
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        names = {"segments_total": "segments", "calls_total": "calls",
+                 "audio_seconds_total": "audio_s", "busy_seconds_total": "busy_s",
+                 "dropped_total": "dropped", "queue_wait_p95_seconds": "wait_p95_s"}
+        out: dict[str, dict] = {}
+        for name, who, value in re.findall(
+                r'^streamgrok_speech_(\w+)\{recogniser="([^"]*)"\} ([0-9.e+-]+)$', text, re.M):
+            if name in names:
+                out.setdefault(who, {"wait_p95_s": None})[names[name]] = float(value)
+        return out
+
     async def stop(self) -> int:
         self.process.terminate()
         return await asyncio.wait_for(self.process.wait(), 120)

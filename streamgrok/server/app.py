@@ -130,7 +130,9 @@ class StreamgrokServer:
         self.cache_config = cache or CacheConfig()
         self.metrics = ServerMetrics(
             self.drops, lambda: self.engine.snapshot() if self.engine is not None else None,
-            lambda: self.model_name, self.resumption_numbers)
+            lambda: self.model_name, self.resumption_numbers, self.resources.speech_stats,
+            lambda: {"media": self.governor.session_cpu,
+                     "speech": self.governor.session_speech})
         self.cpu = CpuMeter()
         self.governor = LoadGovernor(self.resources.degradation, config.load_limits,
                                      cores=self.cpu.cores)

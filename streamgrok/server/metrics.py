@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from streamgrok import __version__
+from streamgrok.engine.snapshot import EngineSnapshot
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 2, 5, 10, 20, 30, 60, 120)
 
@@ -20,9 +21,11 @@ class ServerMetrics:
     """TTFT/TBT histograms, token/error/drop counters, session and KV gauges, build info."""
 
     def __init__(self, drops: Callable[[], dict[str, int]] = dict,
-                 snapshot: Callable[[], dict | None] = lambda: None,
+                 snapshot: Callable[[], EngineSnapshot | None] = lambda: None,
                  model: Callable[[], str] = lambda: "",
-                 resumption: Callable[[], dict[str, int]] = dict) -> None:
+                 resumption: Callable[[], dict[str, int]] = dict,
+                 speech: Callable[[], dict[str, dict]] = dict,
+                 session_cost: Callable[[], dict[str, float | None]] = dict) -> None:
         self.registry = CollectorRegistry()
         self.model = model
         r = self.registry
@@ -56,6 +59,7 @@ class ServerMetrics:
         r.register(_DropsCollector(drops))
         r.register(_ResumptionCollector(resumption))
         r.register(_EngineCollector(snapshot, model))
+        r.register(_SpeechCollector(speech, session_cost))
 
     def observe_answer(self, metrics: dict) -> None:
         model = self.model()
@@ -111,10 +115,56 @@ class _ResumptionCollector(Collector):
                                   value=numbers["refused"])
 
 
+class _SpeechCollector(Collector):
+    """The shared speech recognisers' work, by recogniser, and what the load governor has
+    learned one session costs (the share of the CPU its media workers take at the full rate,
+    the share of the time its speech keeps the recogniser busy)."""
+
+    def __init__(self, speech: Callable[[], dict[str, dict]],
+                 session_cost: Callable[[], dict[str, float | None]]) -> None:
+        self.speech = speech
+        self.session_cost = session_cost
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        recognisers = self.speech()
+        label = ["recogniser"]
+        families = {
+            "segments": CounterMetricFamily("streamgrok_speech_segments", "Speech segments "
+                                            "recognised", labels=label),
+            "calls": CounterMetricFamily("streamgrok_speech_calls", "Recogniser calls",
+                                         labels=label),
+            "audio_s": CounterMetricFamily("streamgrok_speech_audio_seconds", "Seconds of "
+                                           "speech recognised", labels=label),
+            "busy_s": CounterMetricFamily("streamgrok_speech_busy_seconds", "Seconds the "
+                                          "recogniser worked", labels=label),
+            "dropped": CounterMetricFamily("streamgrok_speech_dropped", "Speech segments "
+                                           "left unrecognised (its queue was full)",
+                                           labels=label),
+        }
+        wait = GaugeMetricFamily("streamgrok_speech_queue_wait_p95_seconds", "How long recent "
+                                 "segments waited for the recogniser (p95)", labels=label)
+        for name, stats in sorted(recognisers.items()):
+            for key, family in families.items():
+                family.add_metric([name], stats[key])
+            if stats.get("wait_p95_s") is not None:
+                wait.add_metric([name], stats["wait_p95_s"])
+        yield from families.values()
+        yield wait
+        cost = GaugeMetricFamily("streamgrok_session_cost_ratio", "What one more live session "
+                                 "is measured to add: media (its media workers' share of the "
+                                 "cores at the full rate) and speech (the recogniser's busy "
+                                 "share)", labels=["part"])
+        for part, value in sorted(self.session_cost().items()):
+            if value is not None:
+                cost.add_metric([part], value)
+        yield cost
+
+
 class _EngineCollector(Collector):
     """The engine's numbers, read from its published snapshot when scraped."""
 
-    def __init__(self, snapshot: Callable[[], dict | None], model: Callable[[], str]) -> None:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot | None],
+                 model: Callable[[], str]) -> None:
         self.snapshot = snapshot
         self.model = model
 
