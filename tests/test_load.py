@@ -232,3 +232,19 @@ def test_a_server_that_has_not_measured_a_session_admits_a_few_then_asks_to_retr
     assert all(r.retry_after_s == gov.limits.retry_after_s for r in refused)
     gov.tick(reading(cpu=0.2, media_cpu=0.04, sessions=8))  # measured: 0.5% a session
     assert gov.admit(8) is None
+
+
+def test_speech_is_learned_over_a_window_and_not_from_sessions_that_just_started():
+    """A sentence is heard in one call: one tick's busy share is a burst, the window's
+    average is the cost. Right after admissions the new sessions have not spoken yet, so
+    those ticks teach nothing (the cost learned before holds)."""
+    gov = governor()
+    for t, busy in enumerate([0.4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]):  # 2-s ticks
+        gov.tick(reading(cpu=0.2, media_cpu=0.0, sessions=4, recogniser_busy=busy),
+                 now=100.0 + 2 * t)
+    assert abs(gov.session_speech - 0.4 / 32) < 1e-9  # not 0.1, the burst's tick alone
+    assert gov.admit(4, now=120.0) is None
+    gov.tick(reading(cpu=0.2, media_cpu=0.0, sessions=5, recogniser_busy=0.0), now=122.0)
+    assert abs(gov.session_speech - 0.4 / 32) < 1e-9  # settling: not learned from
+    gov.tick(reading(cpu=0.2, media_cpu=0.0, sessions=5, recogniser_busy=0.5), now=141.0)
+    assert gov.session_speech > 0.4 / 32  # settled: the window learns again

@@ -18,8 +18,11 @@ at the full rate (what it measured, divided by the rate it measured at). A sessi
 push the CPU past its limit at the current rate first halves live sampling (admitted, and
 projected again at the new rate); at the lowest rate it is refused, also when many clients
 connect at once. Speech is the other cost that adds up per session: the one shared recogniser
-(one thread) is learned as its busy share of each tick per session, which the sampling rate
-does not change. One more session is refused when it would keep the recogniser busy more than
+(one thread) is learned as its busy share per session, which the sampling rate does not
+change. It is bursty (a sentence is heard in one call after it ends), so it is averaged over
+the ticks of the last `speech_window_s`, and only over ticks at least `settle_s` after the last
+admission: sessions that just started have not spoken yet and would make speech look cheap.
+One more session is refused when it would keep the recogniser busy more than
 `recogniser_high` of the time (a queue that full makes transcripts late), and its recogniser
 time counts in the CPU projection too. Until a tick with sessions has measured these costs
 (a server just started), at most `unmeasured_sessions` are admitted; the rest are refused
@@ -73,6 +76,8 @@ class LoadLimits:
     recogniser_high: float = 0.7  # the shared speech recogniser's busy share, at most
     unmeasured_sessions: int = 8  # admitted before any tick has measured a session's cost
     retry_after_s: float = 2.0  # what a refusal for load suggests (about one tick)
+    settle_s: float = 20.0  # after an admission, ticks this long are not used to learn speech
+    speech_window_s: float = 30.0  # the recogniser's share per session: averaged over this
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,8 @@ class LoadGovernor:
     decode_rate_at: float = float("-inf")  # when decode_rate was last measured
     _calm: int = 0
     _ttfts: deque = field(default_factory=deque)  # (when, seconds)
+    _heard: deque = field(default_factory=deque)  # (when, recogniser busy share, sessions)
+    _admitted_at: float = float("-inf")  # when the last session was admitted
 
     def record_ttft(self, seconds: float, now: float | None = None) -> None:
         self._ttfts.append((time.monotonic() if now is None else now, seconds))
@@ -144,8 +151,7 @@ class LoadGovernor:
         # measured at the rate the sessions ran at during the tick: per session at full rate
         self.session_cpu = _average(self.session_cpu, reading.media_cpu / reading.sessions
                                     / self.degradation.fps_scale)
-        self.session_speech = _average(self.session_speech,
-                                       reading.recogniser_busy / reading.sessions)
+        self._learn_speech(reading, now)
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
@@ -164,17 +170,34 @@ class LoadGovernor:
             level.fps_scale = min(1.0, level.fps_scale * 2)
             level.reason = "" if not level.degraded else level.reason
 
+    def _learn_speech(self, reading: LoadReading, now: float) -> None:
+        """The recogniser's busy share per session, over the settled ticks of the window."""
+        if now - self._admitted_at >= self.limits.settle_s:
+            self._heard.append((now, reading.recogniser_busy, reading.sessions))
+        while self._heard and now - self._heard[0][0] > self.limits.speech_window_s:
+            self._heard.popleft()
+        if self._heard:
+            self.session_speech = sum(b for _, b, _ in self._heard) \
+                / sum(n for _, _, n in self._heard)
+
     def current_decode_rate(self, now: float) -> float | None:
         """The decode rate measured within the last `rate_ttl_s` at `now`, else None."""
         if now - self.decode_rate_at > self.limits.rate_ttl_s:
             return None
         return self.decode_rate
 
-    def admit(self, sessions: int) -> Refusal | None:
+    def admit(self, sessions: int, now: float | None = None) -> Refusal | None:
         """Why one more session (beside `sessions`) must be refused now, None to admit it.
         A session that would push the learned CPU cost past its limit first degrades live
         sampling (admitted when the cost fits at the lower rate); at the lowest rate it is
-        refused."""
+        refused. An admission (at `now`, monotonic) is remembered: ticks within `settle_s`
+        after it do not teach the speech cost."""
+        refused = self._refusal(sessions)
+        if refused is None:
+            self._admitted_at = time.monotonic() if now is None else now
+        return refused
+
+    def _refusal(self, sessions: int) -> Refusal | None:
         limits = self.limits
         if self.refusing:
             return Refusal("overload", self.refusing, limits.retry_after_s)
