@@ -13,7 +13,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import uvicorn
@@ -401,7 +401,7 @@ class StreamgrokServer:
         refused = self.governor.admit(self.attached_sessions())
         if refused is None:
             return None
-        return Refusal(refused.rule, f"the server is at its sustainable load: {refused.detail}")
+        return replace(refused, detail=f"the server is at its sustainable load: {refused.detail}")
 
     def oldest_wait(self, now: float) -> float:
         """How long the oldest question still without a first token has waited."""
