@@ -234,10 +234,11 @@ def test_a_server_that_has_not_measured_a_session_admits_a_few_then_asks_to_retr
     assert gov.admit(8) is None
 
 
-def test_speech_is_learned_over_a_window_and_not_from_sessions_that_just_started():
+def test_speech_is_learned_over_a_window_and_not_while_sessions_come_and_go():
     """A sentence is heard in one call: one tick's busy share is a burst, the window's
-    average is the cost. Right after admissions the new sessions have not spoken yet, so
-    those ticks teach nothing (the cost learned before holds)."""
+    average is the cost. Right after admissions the new sessions have not spoken yet, and
+    right after sessions leave the recogniser still hears what they said: those ticks teach
+    nothing (the cost learned before holds)."""
     gov = governor()
     for t, busy in enumerate([0.4, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]):  # 2-s ticks
         gov.tick(reading(cpu=0.2, media_cpu=0.0, sessions=4, recogniser_busy=busy),
@@ -246,5 +247,8 @@ def test_speech_is_learned_over_a_window_and_not_from_sessions_that_just_started
     assert gov.admit(4, now=120.0) is None
     gov.tick(reading(cpu=0.2, media_cpu=0.0, sessions=5, recogniser_busy=0.0), now=122.0)
     assert abs(gov.session_speech - 0.4 / 32) < 1e-9  # settling: not learned from
-    gov.tick(reading(cpu=0.2, media_cpu=0.0, sessions=5, recogniser_busy=0.5), now=141.0)
-    assert gov.session_speech > 0.4 / 32  # settled: the window learns again
+    gov.tick(reading(cpu=0.2, media_cpu=0.0, sessions=5, recogniser_busy=0.5), now=143.0)
+    learned = gov.session_speech
+    assert abs(learned - 0.5 / 9) < 1e-9  # settled: the window (114 s and 143 s) learns again
+    gov.tick(reading(cpu=0.2, media_cpu=0.0, sessions=2, recogniser_busy=0.9), now=145.0)
+    assert gov.session_speech == learned  # three left, their speech still being heard

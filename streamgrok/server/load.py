@@ -20,8 +20,10 @@ projected again at the new rate); at the lowest rate it is refused, also when ma
 connect at once. Speech is the other cost that adds up per session: the one shared recogniser
 (one thread) is learned as its busy share per session, which the sampling rate does not
 change. It is bursty (a sentence is heard in one call after it ends), so it is averaged over
-the ticks of the last `speech_window_s`, and only over ticks at least `settle_s` after the last
-admission: sessions that just started have not spoken yet and would make speech look cheap.
+the ticks of the last `speech_window_s`, and only over ticks at least `settle_s` after the
+number of sessions last changed: sessions that just started have not spoken yet and would
+make speech look cheap, and the recogniser still working through the segments of sessions
+that just left would make it look dear.
 One more session is refused when it would keep the recogniser busy more than
 `recogniser_high` of the time (a queue that full makes transcripts late), and its recogniser
 time counts in the CPU projection too. Until a tick with sessions has measured these costs
@@ -125,6 +127,7 @@ class LoadGovernor:
     _ttfts: deque = field(default_factory=deque)  # (when, seconds)
     _heard: deque = field(default_factory=deque)  # (when, recogniser busy share, sessions)
     _admitted_at: float = float("-inf")  # when the last session was admitted
+    _changed_at: float = float("-inf")  # when a tick last saw another number of sessions
 
     def record_ttft(self, seconds: float, now: float | None = None) -> None:
         self._ttfts.append((time.monotonic() if now is None else now, seconds))
@@ -138,12 +141,15 @@ class LoadGovernor:
         """Apply one tick's measurements (taken at `now`, monotonic) to the degradation level
         and admission."""
         now = time.monotonic() if now is None else now
+        if self.last is not None and reading.sessions != self.last.sessions:
+            self._changed_at = now
         self.last = reading
         if reading.decode_rate:
             self.decode_rate = _average(self.current_decode_rate(now), reading.decode_rate)
             self.decode_rate_at = now
         if not reading.sessions:  # nobody left: what the last load measured no longer holds
             self._ttfts.clear()
+            self._heard.clear()  # (the speech cost learned so far stays)
             self.refusing, self._calm = "", 0
             self.decode_rate, self.decode_rate_at = None, float("-inf")
             self.degradation.fps_scale, self.degradation.reason = 1.0, ""
@@ -172,13 +178,13 @@ class LoadGovernor:
 
     def _learn_speech(self, reading: LoadReading, now: float) -> None:
         """The recogniser's busy share per session, over the settled ticks of the window."""
-        if now - self._admitted_at >= self.limits.settle_s:
-            self._heard.append((now, reading.recogniser_busy, reading.sessions))
+        if now - max(self._admitted_at, self._changed_at) < self.limits.settle_s:
+            return  # what was learned before holds
+        self._heard.append((now, reading.recogniser_busy, reading.sessions))
         while self._heard and now - self._heard[0][0] > self.limits.speech_window_s:
             self._heard.popleft()
-        if self._heard:
-            self.session_speech = sum(b for _, b, _ in self._heard) \
-                / sum(n for _, _, n in self._heard)
+        self.session_speech = sum(b for _, b, _ in self._heard) \
+            / sum(n for _, _, n in self._heard)
 
     def current_decode_rate(self, now: float) -> float | None:
         """The decode rate measured within the last `rate_ttl_s` at `now`, else None."""
