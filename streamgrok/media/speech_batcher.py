@@ -104,6 +104,14 @@ class SpeechBatcher:
                 return 0.0
             return (time.monotonic() if now is None else now) - self._queue[0].queued_at
 
+    def warm_up(self) -> None:
+        """Recognise a second of quiet noise once, outside `stats`: a recogniser's first
+        call (allocations, first kernels) is much slower than the rest, and counted it would
+        make the first sessions' speech look dear to the server's admission. Call it before
+        any segment is queued."""
+        noise = np.random.default_rng(0).normal(0.0, 1e-3, RATE).astype(np.float32)
+        self.transcriber.transcribe(noise, RATE)
+
     def transcribe(self, samples: np.ndarray, rate: int) -> Transcript:
         """The `Transcriber` call, for callers on a worker thread: recognised alone."""
         return self.transcriber.transcribe(samples, rate)

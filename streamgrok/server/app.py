@@ -167,7 +167,7 @@ class StreamgrokServer:
         if ingest.audio:
             self.resources.speech_model()
             if ingest.transcribe:
-                self.resources.transcriber(ingest.speech_model)
+                self.resources.transcriber(ingest.speech_model).warm_up()
 
     async def media_models(self) -> None:
         """Load the pipeline's speech models (voice activity, the transcriber) on a worker

@@ -79,7 +79,7 @@ class LoadLimits:
     unmeasured_sessions: int = 8  # admitted before any tick has measured a session's cost
     retry_after_s: float = 2.0  # what a refusal for load suggests (about one tick)
     settle_s: float = 20.0  # after an admission, ticks this long are not used to learn speech
-    speech_window_s: float = 30.0  # the recogniser's share per session: averaged over this
+    speech_window_s: float = 60.0  # the recogniser's share per session: averaged over this
 
 
 @dataclass(frozen=True)
