@@ -145,3 +145,19 @@ def test_the_padding_trim_keeps_the_speech_and_the_asked_silence():
     assert trim(features) == "encoded" and seen[-1] == (80, 352)  # 301 + 50, made even
     trim(np.full((1, 80, 3000), -0.5, dtype=np.float32))
     assert seen[-1] == (1, 80, 3000)  # a full window stays whole
+
+
+async def test_the_warm_up_call_is_not_counted_as_work():
+    """The first call of a recogniser is slow; made at load, it stays out of the counters
+    admission learns a session's speech cost from."""
+    recogniser = LoudRecogniser()
+    recogniser.gate.set()
+    batcher = SpeechBatcher(recogniser)
+    try:
+        batcher.warm_up()
+        assert recogniser.calls == [1.0]  # one second of quiet noise
+        assert batcher.stats.calls == 0 and batcher.stats.busy_s == 0.0
+        heard = await batcher.transcribe_async(segment(0.3, 1))
+        assert heard.text == "w3" and batcher.stats.calls == 1
+    finally:
+        batcher.close()
