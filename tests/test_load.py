@@ -138,15 +138,34 @@ def test_a_decode_rate_reading_expires():
     assert gov.current_decode_rate(now=40.0) == 40.0           # with the expired one
 
 
-def test_the_engine_answering_one_session_is_not_taken_for_a_per_session_cost():
-    """One session asking keeps the engine busy (half the CPU), but its media costs 2%: the
-    next sessions add 2% each, so 20 fit before anything degrades."""
+def test_one_answer_s_burst_is_not_taken_for_a_session_s_engine_cost():
+    """One session's answer kept the engine busy (60% of the CPU) for one 2-s tick of a
+    minute; its media costs 2%. Over the window its engine work is 2% of the cores: with the
+    media, 4% a session, so 22 fit before anything degrades (not 1, as the burst alone would
+    say)."""
     gov = governor()
-    gov.tick(reading(cpu=0.5, media_cpu=0.02, sessions=1))
-    assert all(gov.admit(n) is None for n in range(1, 20))
+    for t in range(30):
+        cpu = 0.62 if t == 0 else 0.02
+        gov.tick(reading(cpu=cpu, media_cpu=0.02, sessions=1), now=100.0 + 2 * t)
+    assert abs(gov.session_engine - 0.6 / 30) < 1e-9
+    assert all(gov.admit(n, now=200.0) is None for n in range(1, 22))
     assert not gov.degradation.degraded
-    gov.admit(21)
+    gov.admit(22, now=200.0)
     assert gov.degradation.degraded
+
+
+def test_the_engine_s_work_per_session_counts_in_admission():
+    """Eight sessions kept the cores 88% busy, 24% of it their media workers: the engine's
+    64% is 8% a session. The ninth and tenth are admitted at half and a quarter of the
+    sampling rate (their media cheaper); the eleventh is refused, as the engine alone would
+    then take 88% of the cores."""
+    gov = governor()
+    gov.tick(reading(cpu=0.88, media_cpu=0.24, sessions=8), now=100.0)
+    assert abs(gov.session_engine - 0.08) < 1e-9
+    assert gov.admit(8, now=101.0) is None and gov.degradation.fps_scale == 0.5
+    assert gov.admit(9, now=101.0) is None and gov.degradation.fps_scale == 0.25
+    refused = gov.admit(10, now=101.0)
+    assert refused is not None and refused.rule == "session_cpu"
 
 
 def test_a_server_left_idle_admits_again_at_once():

@@ -132,7 +132,8 @@ class StreamgrokServer:
             self.drops, lambda: self.engine.snapshot() if self.engine is not None else None,
             lambda: self.model_name, self.resumption_numbers, self.resources.speech_stats,
             lambda: {"media": self.governor.session_cpu,
-                     "speech": self.governor.session_speech})
+                     "speech": self.governor.session_speech,
+                     "engine": self.governor.session_engine})
         self.cpu = CpuMeter()
         self.governor = LoadGovernor(self.resources.degradation, config.load_limits,
                                      cores=self.cpu.cores)

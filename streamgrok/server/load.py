@@ -17,18 +17,21 @@ session and scales with the sampling rate, so the governor learns the workers' C
 at the full rate (what it measured, divided by the rate it measured at). A session that would
 push the CPU past its limit at the current rate first halves live sampling (admitted, and
 projected again at the new rate); at the lowest rate it is refused, also when many clients
-connect at once. Speech is the other cost that adds up per session: the one shared recogniser
+connect at once. Speech is the next cost that adds up per session: the one shared recogniser
 (one thread) is learned as its busy share per session, which the sampling rate does not
-change. It is bursty (a sentence is heard in one call after it ends), so it is averaged over
-the ticks of the last `speech_window_s`, and only over ticks at least `settle_s` after the
-number of sessions last changed: sessions that just started have not spoken yet and would
-make speech look cheap, and the recogniser still working through the segments of sessions
-that just left would make it look dear.
-One more session is refused when it would keep the recogniser busy more than
-`recogniser_high` of the time (a queue that full makes transcripts late), and its recogniser
-time counts in the CPU projection too. Until a tick with sessions has measured these costs
-(a server just started), at most `unmeasured_sessions` are admitted; the rest are refused
-with a retry hint of one tick, by when the cost is known.
+change. The engine's own CPU (prefilling each session's frames, notes and transcripts, and
+its answers) is learned per session the same way, above what the idle server uses. Both are
+bursty (a sentence is heard in one call after it ends, an answer is decoded in a few
+seconds), so they are averaged over the ticks of the last `speech_window_s`, and only over
+ticks at least `settle_s` after the number of sessions last changed: sessions that just
+started have not spoken yet and would make speech look cheap, and the recogniser still
+working through the segments of sessions that just left would make it look dear. One more
+session is refused when it would keep the recogniser busy more than `recogniser_high` of the
+time (a queue that full makes transcripts late); its recogniser time and its engine share
+count in the CPU projection too (the engine's share is a little high where many answers
+decode in one batch: projected on the safe side). Until a tick with sessions has measured
+these costs (a server just started), at most `unmeasured_sessions` are admitted; the rest are
+refused with a retry hint of one tick, by when the cost is known.
 
 The engine's time does not add up that way (the answers of many sessions decode in one
 batch), so it is guarded at the question instead, by its length: when the
@@ -121,11 +124,13 @@ class LoadGovernor:
     refusing: str = ""  # why new sessions are refused now, empty when admitted
     session_cpu: float | None = None  # the share of the cores a session adds at full rate
     session_speech: float | None = None  # the recogniser's busy share a session adds
+    session_engine: float | None = None  # the share of the cores a session's engine work adds
+    idle_cpu: float = 0.0  # the share of the cores the server uses with no session
     decode_rate: float | None = None  # tokens/s of the engine's decode steps (average)
     decode_rate_at: float = float("-inf")  # when decode_rate was last measured
     _calm: int = 0
     _ttfts: deque = field(default_factory=deque)  # (when, seconds)
-    _heard: deque = field(default_factory=deque)  # (when, recogniser busy share, sessions)
+    _shares: deque = field(default_factory=deque)  # (when, recogniser, engine, sessions)
     _admitted_at: float = float("-inf")  # when the last session was admitted
     _changed_at: float = float("-inf")  # when a tick last saw another number of sessions
 
@@ -148,8 +153,9 @@ class LoadGovernor:
             self.decode_rate = _average(self.current_decode_rate(now), reading.decode_rate)
             self.decode_rate_at = now
         if not reading.sessions:  # nobody left: what the last load measured no longer holds
+            self.idle_cpu = _average(self.idle_cpu, reading.cpu)
             self._ttfts.clear()
-            self._heard.clear()  # (the speech cost learned so far stays)
+            self._shares.clear()  # (the costs learned so far stay)
             self.refusing, self._calm = "", 0
             self.decode_rate, self.decode_rate_at = None, float("-inf")
             self.degradation.fps_scale, self.degradation.reason = 1.0, ""
@@ -157,7 +163,7 @@ class LoadGovernor:
         # measured at the rate the sessions ran at during the tick: per session at full rate
         self.session_cpu = _average(self.session_cpu, reading.media_cpu / reading.sessions
                                     / self.degradation.fps_scale)
-        self._learn_speech(reading, now)
+        self._learn_shares(reading, now)
         limits, level = self.limits, self.degradation
         over = self._overload(reading)
         if over:
@@ -176,15 +182,19 @@ class LoadGovernor:
             level.fps_scale = min(1.0, level.fps_scale * 2)
             level.reason = "" if not level.degraded else level.reason
 
-    def _learn_speech(self, reading: LoadReading, now: float) -> None:
-        """The recogniser's busy share per session, over the settled ticks of the window."""
+    def _learn_shares(self, reading: LoadReading, now: float) -> None:
+        """The recogniser's busy share and the engine's share of the cores per session, over
+        the settled ticks of the window."""
         if now - max(self._admitted_at, self._changed_at) < self.limits.settle_s:
             return  # what was learned before holds
-        self._heard.append((now, reading.recogniser_busy, reading.sessions))
-        while self._heard and now - self._heard[0][0] > self.limits.speech_window_s:
-            self._heard.popleft()
-        self.session_speech = sum(b for _, b, _ in self._heard) \
-            / sum(n for _, _, n in self._heard)
+        engine = max(0.0, reading.cpu - reading.media_cpu - reading.recogniser_busy / self.cores
+                     - self.idle_cpu)
+        self._shares.append((now, reading.recogniser_busy, engine, reading.sessions))
+        while self._shares and now - self._shares[0][0] > self.limits.speech_window_s:
+            self._shares.popleft()
+        sessions = sum(n for *_, n in self._shares)
+        self.session_speech = sum(s[1] for s in self._shares) / sessions
+        self.session_engine = sum(s[2] for s in self._shares) / sessions
 
     def current_decode_rate(self, now: float) -> float | None:
         """The decode rate measured within the last `rate_ttl_s` at `now`, else None."""
@@ -221,7 +231,9 @@ class LoadGovernor:
                            f"(at most {limits.recogniser_high:.0%})", limits.retry_after_s)
         # the recogniser's one thread, as a share of all the cores
         speech_cpu = (self.session_speech or 0.0) / self.cores
-        rest = last.cpu - last.media_cpu - last.recogniser_busy / self.cores
+        # the engine and the rest of this process: as measured, or as the sessions add it
+        rest = max(last.cpu - last.media_cpu - last.recogniser_busy / self.cores,
+                   self.idle_cpu + (sessions + 1) * (self.session_engine or 0.0))
         while True:
             # the media workers' CPU at the current rate and the recogniser's for every
             # session, plus the rest
