@@ -152,8 +152,9 @@ class _SpeechCollector(Collector):
         yield wait
         cost = GaugeMetricFamily("streamgrok_session_cost_ratio", "What one more live session "
                                  "is measured to add: media (its media workers' share of the "
-                                 "cores at the full rate) and speech (the recogniser's busy "
-                                 "share)", labels=["part"])
+                                 "cores at the full rate), speech (the recogniser's busy "
+                                 "share) and engine (the engine's share of the cores)",
+                                 labels=["part"])
         for part, value in sorted(self.session_cost().items()):
             if value is not None:
                 cost.add_metric([part], value)
