@@ -84,7 +84,10 @@ class ServerProcess:
         for name, who, value in re.findall(
                 r'^streamgrok_speech_(\w+)\{recogniser="([^"]*)"\} ([0-9.e+-]+)$', text, re.M):
             if name in names:
-                out.setdefault(who, {"wait_p95_s": None})[names[name]] = float(value)
+                key = names[name]
+                number = float(value)
+                out.setdefault(who, {"wait_p95_s": None})[key] = \
+                    int(number) if key in ("segments", "calls", "dropped") else number
         return out
 
     async def stop(self) -> int:
