@@ -41,17 +41,18 @@ class SharedResources:
         segments batched into its calls (`SpeechBatcher`; thread-safe)."""
         return self.get(("transcriber", name), lambda: SpeechBatcher(load_transcriber(name)))
 
+    def _recognisers(self) -> list[SpeechBatcher]:
+        """The shared speech recognisers loaded so far."""
+        with self._lock:
+            return [r for r in self._loaded.values() if isinstance(r, SpeechBatcher)]
+
     def speech_stats(self) -> dict[str, dict]:
         """What each shared speech recogniser loaded so far did, by name."""
-        with self._lock:
-            loaded = list(self._loaded.values())
-        return {r.name: r.stats.as_dict() for r in loaded if isinstance(r, SpeechBatcher)}
+        return {r.name: r.stats.as_dict() for r in self._recognisers()}
 
     def speech_busy_s(self) -> float:
         """Seconds the shared speech recognisers have worked so far, all of them together."""
-        with self._lock:
-            loaded = list(self._loaded.values())
-        return sum(r.stats.busy_s for r in loaded if isinstance(r, SpeechBatcher))
+        return sum(r.stats.busy_s for r in self._recognisers())
 
     def speech_model(self) -> SpeechModel:
         """The shared voice-activity model (thread-safe; each session keeps its own state)."""
@@ -59,20 +60,14 @@ class SharedResources:
 
     def speech_wait(self) -> float:
         """How long the oldest speech segment waiting for a shared recogniser has waited."""
-        with self._lock:
-            loaded = list(self._loaded.values())
-        return max((r.oldest_wait() for r in loaded if isinstance(r, SpeechBatcher)),
-                   default=0.0)
+        return max((r.oldest_wait() for r in self._recognisers()), default=0.0)
 
     def close(self) -> None:
         """Stop the media workers and the speech recognisers' threads."""
         if self.media_pool is not None:
             self.media_pool.close()
-        with self._lock:
-            loaded = list(self._loaded.values())
-        for resource in loaded:
-            if isinstance(resource, SpeechBatcher):
-                resource.close()
+        for recogniser in self._recognisers():
+            recogniser.close()
 
 
 class PipelineOptions(dict):

@@ -369,7 +369,8 @@ class StreamgrokServer:
             new_frames = frames - received
             received, stale = frames, drops.get("frames_stale", 0)
             cpu, media_cpu = self.cpu.read()
-            busy, heard = self.resources.speech_busy_s() - heard, self.resources.speech_busy_s()
+            worked = self.resources.speech_busy_s()
+            busy, heard = worked - heard, worked
             tick_s, heard_at = now - heard_at, now
             self.governor.tick(LoadReading(
                 cpu=cpu,
