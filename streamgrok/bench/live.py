@@ -91,12 +91,7 @@ class Row:
         last = max((r.stats for r in self.results if r.stats),
                    key=lambda st: st.get("stream_time", 0.0), default={})
         first = next((r.first_stats for r in self.results if r.first_stats), {})
-        out = {}
-        for name, now in last.get("speech", {}).items():
-            then = first.get("speech", {}).get(name, {})
-            out[name] = {**now, **{k: now[k] - then.get(k, 0) for k in
-                                   ("segments", "calls", "audio_s", "busy_s", "dropped")}}
-        return out
+        return _difference(first.get("speech", {}), last.get("speech", {}))
 
     @property
     def processed(self) -> int:

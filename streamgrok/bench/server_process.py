@@ -64,19 +64,19 @@ class ServerProcess:
         workers = sum(c.memory_info().rss for c in proc.children(recursive=True))
         return proc.memory_info().rss / 2**20, workers / 2**20
 
-    def metric(self, name: str) -> float:
+    def _metrics_text(self) -> str:
         url = f"http://127.0.0.1:{self.port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+            return response.read().decode()
+
+    def metric(self, name: str) -> float:
+        match = re.search(rf"^{name} ([0-9.e+-]+)$", self._metrics_text(), re.M)
         return float(match.group(1)) if match else float("nan")
 
     def speech_metrics(self) -> dict[str, dict]:
         """The shared speech recognisers' counters from /metrics, by recogniser: segments,
         calls, audio_s, busy_s, dropped and wait_p95_s (see `BatcherStats.as_dict`)."""
-        url = f"http://127.0.0.1:{self.port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
+        text = self._metrics_text()
         names = {"segments_total": "segments", "calls_total": "calls",
                  "audio_seconds_total": "audio_s", "busy_seconds_total": "busy_s",
                  "dropped_total": "dropped", "queue_wait_p95_seconds": "wait_p95_s"}

@@ -4,7 +4,7 @@ round for metrics, `stats` events and the load governor to read from any thread.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -65,13 +65,3 @@ class EngineSnapshot:
     def __post_init__(self) -> None:
         for name in ("queue_tokens", "dropped", "host_tier", "vision"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready values (nested dicts)."""
-        plain = {f.name: getattr(self, f.name) for f in fields(self)}
-        plain["answers"] = asdict(self.answers)
-        plain["last_step"] = None if self.last_step is None else asdict(self.last_step)
-        for name in ("queue_tokens", "dropped", "host_tier", "vision"):
-            value = getattr(self, name)
-            plain[name] = None if value is None else dict(value)
-        return plain

@@ -187,14 +187,18 @@ class LoadGovernor:
         the settled ticks of the window."""
         if now - max(self._admitted_at, self._changed_at) < self.limits.settle_s:
             return  # what was learned before holds
-        engine = max(0.0, reading.cpu - reading.media_cpu - reading.recogniser_busy / self.cores
-                     - self.idle_cpu)
+        engine = max(0.0, self._in_process_cpu(reading) - self.idle_cpu)
         self._shares.append((now, reading.recogniser_busy, engine, reading.sessions))
         while self._shares and now - self._shares[0][0] > self.limits.speech_window_s:
             self._shares.popleft()
         sessions = sum(n for *_, n in self._shares)
         self.session_speech = sum(s[1] for s in self._shares) / sessions
         self.session_engine = sum(s[2] for s in self._shares) / sessions
+
+    def _in_process_cpu(self, reading: LoadReading) -> float:
+        """The share of the cores a reading's server used outside its media workers and its
+        recogniser's thread: the engine and the rest of the process."""
+        return reading.cpu - reading.media_cpu - reading.recogniser_busy / self.cores
 
     def current_decode_rate(self, now: float) -> float | None:
         """The decode rate measured within the last `rate_ttl_s` at `now`, else None."""
@@ -232,7 +236,7 @@ class LoadGovernor:
         # the recogniser's one thread, as a share of all the cores
         speech_cpu = (self.session_speech or 0.0) / self.cores
         # the engine and the rest of this process: as measured, or as the sessions add it
-        rest = max(last.cpu - last.media_cpu - last.recogniser_busy / self.cores,
+        rest = max(self._in_process_cpu(last),
                    self.idle_cpu + (sessions + 1) * (self.session_engine or 0.0))
         while True:
             # the media workers' CPU at the current rate and the recogniser's for every
