@@ -61,9 +61,7 @@ def add_bench_commands(commands) -> None:
     soak.add_argument("--clients", type=int, default=16, help="live clients")
     soak.add_argument("--seconds", type=float, default=300.0, help="how long")
     soak.add_argument("--ask-every", type=float, default=15.0, help="seconds between questions")
-    soak.add_argument("--speech", action=argparse.BooleanOptionalAction, default=True,
-                      help="clients speak espeak-ng sentences about half the time (else room "
-                           "noise)")
+    _add_speech_option(soak)
     soak.add_argument("--storm", type=int, default=0,
                       help="then this many clients connect, ask and drop mid-answer")
     add_served_options(soak)
@@ -96,10 +94,15 @@ def add_bench_commands(commands) -> None:
     live.add_argument("--answer-timeout", type=float, default=30.0,
                       help="seconds after the row an open question may still be answered")
     live.add_argument("--url", default=None, help="a running server's /ws (else one is started)")
-    live.add_argument("--speech", action=argparse.BooleanOptionalAction, default=True,
-                      help="clients speak espeak-ng sentences about half the time (else room "
-                           "noise)")
+    _add_speech_option(live)
     add_served_options(live)
+
+
+def _add_speech_option(bench: argparse.ArgumentParser) -> None:
+    """`--speech/--no-speech` of the benches whose clients send audio."""
+    bench.add_argument("--speech", action=argparse.BooleanOptionalAction, default=True,
+                       help="clients speak espeak-ng sentences about half the time (else room "
+                            "noise)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
