@@ -281,7 +281,7 @@ def eviction_overhead(loaded: LoadedModel, options: KvBenchOptions) -> dict:
             for _ in range(steps):
                 step_times.append(timed(
                     lambda token=token, cache=cache: loaded.model(
-                        token, BatchMetadata.build([0], [1]), cache), device))
+                        token, BatchMetadata.build([0], [1]), cache.attention), device))
                 cache.evict([0])
         passes = cache.stats.eviction_passes - before[0]
         evict_s = cache.stats.eviction_seconds - before[1]

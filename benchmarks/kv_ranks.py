@@ -68,7 +68,7 @@ def run_stream(model: Transformer, cache: PagedKVCache | KVParallelCache,
             batch.token_info = TokenInfo.concat([_step_info(index, n) for n in counts.values()])
         cache.reserve(counts)
         with torch.inference_mode():
-            logits = model(torch.cat(ids).to(model.device), batch, cache)
+            logits = model(torch.cat(ids).to(model.device), batch, cache.attention)
         cache.commit()
         if scenario.frame_embeddings and index is not None and index % 2:
             for seq_id in counts:

@@ -99,7 +99,7 @@ def _time_paths(loaded: LoadedModel, cache: PagedKVCache, sequences: int, contex
     tokens = torch.full((sequences,), 42, dtype=torch.long, device=device)
 
     def step() -> None:
-        loaded.model(tokens, BatchMetadata.build(seq_ids, [1] * sequences, device), cache)
+        loaded.model(tokens, BatchMetadata.build(seq_ids, [1] * sequences, device), cache.attention)
 
     whole = loaded.model.paged_native
     paths = [("native", native_ops, False), ("torch", torch_ops, False)]

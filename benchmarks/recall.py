@@ -31,8 +31,8 @@ from tqdm import tqdm
 from benchmarks.caches import bench_cache
 from benchmarks.corpus import long_ids, prose_text
 from streamgrok.cache.paged_cache import PagedKVCache
-from streamgrok.cache.recall import attention_scale, causal_logits
 from streamgrok.cache.streaming import feed
+from streamgrok.cache.tiers.recall import attention_scale, causal_logits
 from streamgrok.cache.tokens import STREAM
 from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.batch import BatchMetadata
@@ -111,7 +111,7 @@ def prefill(model, cache: PagedKVCache, seq_id: int, ids: list[int], all_logits:
     if all_logits:
         batch.logit_rows = None
     with torch.inference_mode():
-        return model(part, batch, cache)
+        return model(part, batch, cache.attention)
 
 
 @dataclass

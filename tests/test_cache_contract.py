@@ -37,3 +37,11 @@ def test_the_engine_annotates_its_cache_with_the_contract():
 
     source = inspect.getsource(scheduler)
     assert "PagedKVCache" not in source, "the scheduler uses the contract, not one class"
+
+
+def test_the_paged_caches_model_side_is_its_own_object_over_the_same_pages():
+    from streamgrok.cache.paged_attention import PagedAttention
+    cache = PagedKVCache(CONFIG, CacheConfig(budget_tokens=64), num_pages=16)
+    assert isinstance(cache.attention, PagedAttention)
+    assert not hasattr(cache, "attend") and not hasattr(cache, "prepare")
+    assert cache.attention.core is cache.core and cache.recaller.core is cache.core

@@ -322,11 +322,12 @@ def test_model_on_the_paged_cache_gives_the_same_logits_on_both_backends(kv_dtyp
         with torch.inference_mode():
             ids = torch.randint(0, config.vocab_size, (sum(counts),), generator=gen).to(DEVICE)
             batch = BatchMetadata.build([0, 1, 2], counts, DEVICE)
-            steps.append(model(ids, batch, cache))
+            steps.append(model(ids, batch, cache.attention))
             cache.evict()
             for _ in range(20):
                 ids = steps[-1].argmax(-1)
-                steps.append(model(ids, BatchMetadata.build([0, 1, 2], [1, 1, 1], DEVICE), cache))
+                batch = BatchMetadata.build([0, 1, 2], [1, 1, 1], DEVICE)
+                steps.append(model(ids, batch, cache.attention))
                 cache.evict()
         kept = [cache.sequences[s].layers[1].column(0).tolist() for s in range(3)]
         runs.append((steps, kept, cache.stats.evicted_tokens))

@@ -9,10 +9,10 @@ import torch
 from helpers import tiny_config
 
 from streamgrok.cache.config import CacheConfig
-from streamgrok.cache.host_tier import _summaries
-from streamgrok.cache.page_scorer import layer_page_scores
 from streamgrok.cache.paged_cache import PagedKVCache
-from streamgrok.cache.recall import choose_pages, page_gains, score_pages
+from streamgrok.cache.tiers.host_tier import _summaries
+from streamgrok.cache.tiers.page_scorer import layer_page_scores
+from streamgrok.cache.tiers.recall import choose_pages, page_gains, score_pages
 from streamgrok.cache.tokens import STREAM
 from streamgrok.model.batch import BatchMetadata
 from streamgrok_kernels.ops import KernelOps
@@ -38,13 +38,13 @@ def append(cache: PagedKVCache, seq: int, n: int, seed: int) -> list[torch.Tenso
     """n tokens of random q/K/V into every layer (no model); returns each layer's output."""
     gen = torch.Generator().manual_seed(seed)
     batch = BatchMetadata.build([seq], [n])
-    cache.prepare(batch)
+    cache.attention.prepare(batch)
     outs = []
     for layer in range(CFG.num_layers):
         q = torch.randn(n, CFG.num_heads, CFG.head_dim, generator=gen)
         k = torch.randn(n, CFG.num_kv_heads, CFG.head_dim, generator=gen)
         v = torch.randn(n, CFG.num_kv_heads, CFG.head_dim, generator=gen)
-        outs.append(cache.attend(layer, q, k, v, batch))
+        outs.append(cache.attention.attend(layer, q, k, v, batch))
     return outs
 
 

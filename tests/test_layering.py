@@ -35,8 +35,6 @@ TYPE_HANDLES = {
     ("streamgrok.model.compiled_decode", "streamgrok.model.llama"),
     ("streamgrok.model.native_decode", "streamgrok.model.llama"),
     ("streamgrok.model.native_decode", "streamgrok.model.compiled_decode"),
-    # the recaller acts on the cache that owns it
-    ("streamgrok.cache.recaller", "streamgrok.cache.paged_cache"),
     # a session's handle on its engine
     ("streamgrok.engine.session", "streamgrok.engine.engine"),
     # the ingest stages annotate the ingest that builds them

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from streamgrok.cache.attention_plan import build_attention_plan, refresh_layer
-from streamgrok.cache.page_scorer import PageScorer, layer_page_scores
-from streamgrok.cache.recall import page_gains, resident_lse, score_pages
+from streamgrok.cache.tiers.page_scorer import PageScorer, layer_page_scores
+from streamgrok.cache.tiers.recall import page_gains, resident_lse, score_pages
 from streamgrok.cache.tokens import LayerTokens
 from streamgrok_kernels.rotary import apply_rotary
 

@@ -28,13 +28,13 @@ def append_random(cache: PagedKVCache, seq: int, n: int, info: TokenInfo | None 
     gen = torch.Generator().manual_seed(seed)
     batch = BatchMetadata.build([seq], [n])
     batch.token_info = info
-    cache.prepare(batch)
+    cache.attention.prepare(batch)
     out = None
     for layer in range(CFG.num_layers):
         q = torch.randn(n, CFG.num_heads, CFG.head_dim, generator=gen)
         k = torch.randn(n, CFG.num_kv_heads, CFG.head_dim, generator=gen)
         v = torch.randn(n, CFG.num_kv_heads, CFG.head_dim, generator=gen)
-        result = cache.attend(layer, q, k, v, batch)
+        result = cache.attention.attend(layer, q, k, v, batch)
         out = result if out is None else out
     return out
 
@@ -114,7 +114,7 @@ def test_full_policy_matches_contiguous_cache(kv_dtype):
     for _ in range(5):
         batch = BatchMetadata.build(range(3), [len(f) for f in feeds])
         ids = torch.tensor(sum(feeds, []))
-        got = model(ids, batch, paged)
+        got = model(ids, batch, paged.attention)
         want = model(ids, BatchMetadata.build(range(3), [len(f) for f in feeds]), contiguous)
         if kv_dtype == "float32":
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -130,11 +130,11 @@ def test_mixed_chunk_and_decode_batch_matches_separate_steps():
     for cache in (together, apart):
         cache.add_sequence(0)
         cache.add_sequence(1)
-        model(torch.arange(10), BatchMetadata.build([0], [10]), cache)
+        model(torch.arange(10), BatchMetadata.build([0], [10]), cache.attention)
     batch = BatchMetadata.build([0, 1], [1, 12])
-    got = model(torch.arange(40, 53), batch, together)
-    first = model(torch.tensor([40]), BatchMetadata.build([0], [1]), apart)
-    second = model(torch.arange(41, 53), BatchMetadata.build([1], [12]), apart)
+    got = model(torch.arange(40, 53), batch, together.attention)
+    first = model(torch.tensor([40]), BatchMetadata.build([0], [1]), apart.attention)
+    second = model(torch.arange(41, 53), BatchMetadata.build([1], [12]), apart.attention)
     torch.testing.assert_close(got, torch.cat([first, second]), atol=1e-5, rtol=1e-5)
 
 
@@ -147,7 +147,7 @@ def test_attention_after_compaction_equals_recomputation(policy):
     layer0_k, layer0_v = [], []
     for chunk in (30, 25, 17):
         batch = BatchMetadata.build([0], [chunk])
-        cache.prepare(batch)
+        cache.attention.prepare(batch)
         for layer in range(CFG.num_layers):
             q = torch.randn(chunk, CFG.num_heads, CFG.head_dim, generator=gen)
             k = torch.randn(chunk, CFG.num_kv_heads, CFG.head_dim, generator=gen)
@@ -155,7 +155,7 @@ def test_attention_after_compaction_equals_recomputation(policy):
             if layer == 0:
                 layer0_k.append(k)
                 layer0_v.append(v)
-            cache.attend(layer, q, k, v, batch)
+            cache.attention.attend(layer, q, k, v, batch)
     assert cache.evict() > 0
     rec = cache.sequences[0].layers[0]
     assert rec.length == 40
@@ -166,8 +166,8 @@ def test_attention_after_compaction_equals_recomputation(policy):
     k_new = torch.randn(1, CFG.num_kv_heads, CFG.head_dim, generator=gen)
     v_new = torch.randn(1, CFG.num_kv_heads, CFG.head_dim, generator=gen)
     batch = BatchMetadata.build([0], [1])
-    cache.prepare(batch)
-    got = cache.attend(0, q, k_new, v_new, batch)
+    cache.attention.prepare(batch)
+    got = cache.attention.attend(0, q, k_new, v_new, batch)
     # ... equals attention recomputed from scratch on the kept tokens at positions 0..40
     keys = torch.cat([k_all[kept], k_new])
     values = torch.cat([v_all[kept], v_new])
@@ -259,23 +259,24 @@ def test_prefix_sharing_reuses_pages_and_copies_on_write():
     alone = PagedKVCache(CFG, config, num_pages=128)
     prompt = torch.randint(0, CFG.vocab_size, (40,)).tolist()  # 2 full pages + 8
     shared.add_sequence(0)
-    model(torch.tensor(prompt), BatchMetadata.build([0], [40]), shared)
+    model(torch.tensor(prompt), BatchMetadata.build([0], [40]), shared.attention)
     assert shared.publish_prefix(0, prompt) == 2
     used_before = shared.pool.used_pages
     reused = shared.add_sequence(1, prefix_tokens=prompt)
     assert reused == 32
     assert shared.pool.used_pages == used_before  # no new pages for the shared prefix
-    got = model(torch.tensor(prompt[32:]), BatchMetadata.build([1], [8]), shared)
+    got = model(torch.tensor(prompt[32:]), BatchMetadata.build([1], [8]), shared.attention)
     alone.add_sequence(0)
-    want = model(torch.tensor(prompt), BatchMetadata.build([0], [40]), alone)
+    want = model(torch.tensor(prompt), BatchMetadata.build([0], [40]), alone.attention)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # the owner streams on and evicts; the sharer's prefix must not change under it
     for _ in range(3):
-        model(torch.randint(0, CFG.vocab_size, (20,)), BatchMetadata.build([0], [20]), shared)
+        model(torch.randint(0, CFG.vocab_size, (20,)), BatchMetadata.build([0], [20]),
+              shared.attention)
         shared.evict(force=True)
     nxt = torch.tensor([7])
-    got = model(nxt, BatchMetadata.build([1], [1]), shared)
-    want = model(nxt, BatchMetadata.build([0], [1]), alone)
+    got = model(nxt, BatchMetadata.build([1], [1]), shared.attention)
+    want = model(nxt, BatchMetadata.build([0], [1]), alone.attention)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     shared.remove_sequence(0)
     shared.remove_sequence(1)
@@ -302,15 +303,16 @@ def test_fork_sees_the_snapshot_and_both_sides_stream_on():
     prompt = torch.randint(0, CFG.vocab_size, (37,))  # partial last page
     for c in (cache, reference):
         c.add_sequence(0)
-        model(prompt, BatchMetadata.build([0], [37]), c)
+        model(prompt, BatchMetadata.build([0], [37]), c.attention)
     cache.fork(0, 1)
     # the original streams on and evicts while the fork answers
     for _ in range(3):
-        model(torch.randint(0, CFG.vocab_size, (20,)), BatchMetadata.build([0], [20]), cache)
+        model(torch.randint(0, CFG.vocab_size, (20,)),
+            BatchMetadata.build([0], [20]), cache.attention)
         cache.evict(force=True)
     question = torch.tensor([5, 9, 11])
-    got = model(question, BatchMetadata.build([1], [3]), cache)
-    want = model(question, BatchMetadata.build([0], [3]), reference)
+    got = model(question, BatchMetadata.build([1], [3]), cache.attention)
+    want = model(question, BatchMetadata.build([0], [3]), reference.attention)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     check_pool(cache)
     cache.remove_sequence(1)
@@ -376,17 +378,17 @@ def test_several_chunks_in_one_step_match_separate_steps(policy):
     for cache in (together, apart):
         for seq, n in enumerate((5, 30, 12)):
             cache.add_sequence(seq)
-            model(torch.arange(n), BatchMetadata.build([seq], [n]), cache)
+            model(torch.arange(n), BatchMetadata.build([seq], [n]), cache.attention)
     lens = [7, 2, 19]
     ids = torch.randint(0, CFG.vocab_size, (sum(lens),))
     batch = BatchMetadata.build([0, 1, 2], lens)
     batch.logit_rows = None
-    got = model(ids, batch, together)
+    got = model(ids, batch, together.attention)
     want, start = [], 0
     for seq, n in enumerate(lens):
         single = BatchMetadata.build([seq], [n])
         single.logit_rows = None
-        want.append(model(ids[start : start + n], single, apart))
+        want.append(model(ids[start : start + n], single, apart.attention))
         start += n
     torch.testing.assert_close(got, torch.cat(want), atol=1e-5, rtol=1e-5)
 
@@ -427,7 +429,7 @@ def test_a_forward_that_fails_mid_step_is_rolled_back_exactly(backend):
                          kernels=model.kernels)
     for seq, n in ((0, 21), (1, 16)):
         cache.add_sequence(seq)
-        model(torch.arange(n) % 50, BatchMetadata.build([seq], [n]), cache)
+        model(torch.arange(n) % 50, BatchMetadata.build([seq], [n]), cache.attention)
     before = cache_state(cache)
     ids = torch.tensor([3, 4, 5, 6, 7, 8, 9])
     batch = BatchMetadata.build([0, 1], [1, 6])
@@ -440,14 +442,14 @@ def test_a_forward_that_fails_mid_step_is_rolled_back_exactly(backend):
     cache.reserve({0: 1, 1: 6})
     assert cache.pool.free_pages < before["free"]  # pages exist before the forward pass
     with pytest.raises(RuntimeError, match="injected"):
-        model(ids, batch, cache)
+        model(ids, batch, cache.attention)
     cache.rollback()
     assert_same_state(before, cache_state(cache))
     check_pool(cache)
 
     model.layers[1].forward = original
     cache.reserve({0: 1, 1: 6})
-    model(ids, BatchMetadata.build([0, 1], [1, 6]), cache)
+    model(ids, BatchMetadata.build([0, 1], [1, 6]), cache.attention)
     cache.commit()
     assert cache.layer_lengths(0) == [22] * CFG.num_layers
     assert cache.layer_lengths(1) == [22] * CFG.num_layers
@@ -497,7 +499,7 @@ def test_pages_are_handed_out_zeroed_even_after_reuse(dtype):
 def test_stream_rows_of_one_token_at_a_time_equal_a_chunk(tokens):
     """A decode step's one-token records (its own fast path) equal the records of the same
     tokens appended as one chunk: stream index, frame group, modality, time, source."""
-    from streamgrok.cache.paged_cache import SequenceState, next_stream_rows
+    from streamgrok.cache.records import SequenceState, next_stream_rows
 
     info = TokenInfo(torch.tensor([m for m, _, _ in tokens]),
                      torch.arange(len(tokens), dtype=torch.float64) / 2,

@@ -55,7 +55,7 @@ def prefilled(model, cache: PagedKVCache, lengths: list[int]) -> None:
                 n -= lengths[0]
             cache.add_sequence(seq) if seq != 1 else None
             ids = torch.randint(0, VOCAB, (n,), generator=gen)
-            model(ids, BatchMetadata.build([seq], [n]), cache)
+            model(ids, BatchMetadata.build([seq], [n]), cache.attention)
 
 
 @pytest.mark.parametrize(("kv_dtype", "bias", "policy", "budget", "sequences"), [
@@ -80,11 +80,11 @@ def test_native_paged_steps_equal_layer_by_layer_steps(kv_dtype, bias, policy, b
         for step in range(12):
             ids = torch.randint(0, VOCAB, (len(seqs),), generator=gen)
             native.reserve({s: 1 for s in seqs})
-            got = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), native)
+            got = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), native.attention)
             native.commit()
             reference.reserve({s: 1 for s in seqs})
             with eager_decode(model):
-                want = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), reference)
+                want = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), reference.attention)
             reference.commit()
             # the int4 kernel quantizes its activations, which a last-bit difference upstream
             # (a norm summed in another order) can move by a level
@@ -114,13 +114,14 @@ def test_steps_it_does_not_serve_run_layer_by_layer():
     cache = paged_cache(model, "float32", "full", None)
     prefilled(model, cache, [9, 20])
     with torch.inference_mode():
-        model(torch.tensor([3, 4, 5]), BatchMetadata.build([0, 1], [2, 1]), cache)  # prefill
+        model(torch.tensor([3, 4, 5]),
+            BatchMetadata.build([0, 1], [2, 1]), cache.attention)  # prefill
         batch = BatchMetadata.build([0], [1])
         batch.embed_rows = torch.tensor([0])  # a frame's embedding
         batch.embed_values = torch.zeros(1, model.config.hidden_size)
-        model(torch.tensor([6]), batch, cache)
+        model(torch.tensor([6]), batch, cache.attention)
         assert model.paged_native.steps == 0
-        model(torch.tensor([7, 8]), BatchMetadata.build([0, 1], [1, 1]), cache)
+        model(torch.tensor([7, 8]), BatchMetadata.build([0, 1], [1, 1]), cache.attention)
     assert model.paged_native.steps == 1
 
 
@@ -130,7 +131,7 @@ def test_a_float_model_never_takes_the_native_step():
     cache = paged_cache(model, "float32", "full", None)
     prefilled(model, cache, [9, 20])
     with torch.inference_mode():
-        model(torch.tensor([7, 8]), BatchMetadata.build([0, 1], [1, 1]), cache)
+        model(torch.tensor([7, 8]), BatchMetadata.build([0, 1], [1, 1]), cache.attention)
     assert model.paged_native.steps == 0 and model.paged_native.step is None
 
 
@@ -196,9 +197,9 @@ def test_native_paged_steps_of_a_mixture_equal_layer_by_layer_steps(layout):
     with torch.inference_mode():
         for _ in range(8):
             ids = torch.randint(0, VOCAB, (len(seqs),), generator=gen)
-            got = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), native)
+            got = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), native.attention)
             with eager_decode(model):
-                want = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), reference)
+                want = model(ids, BatchMetadata.build(seqs, [1] * len(seqs)), reference.attention)
             torch.testing.assert_close(got, want, atol=0.05, rtol=0.01)
     assert model.paged_native.steps == 8 and model.paged_native.fallbacks == 0
     # both caches' prefills (the second sequence forked from the first), the native steps

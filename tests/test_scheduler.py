@@ -147,7 +147,7 @@ def run_step(scheduler: Scheduler, tokens: dict[int, int] | None = None):
     for span in plan.spans:  # records only: the forward pass is not what is tested here
         batch = BatchMetadata.build([span.seq_id], [len(span)])
         batch.token_info = span.info
-        scheduler.cache.prepare(batch)
+        scheduler.cache.attention.prepare(batch)
     scheduler.cache.commit()
     sampled = {i: (tokens or {}).get(span.seq_id, 7)
                for i, span in enumerate(plan.spans) if span.samples}

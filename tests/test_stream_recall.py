@@ -7,7 +7,7 @@ import torch
 from test_kv_tier import CFG, append, full_cache, tiered
 
 from streamgrok.cache.config import CacheConfig
-from streamgrok.cache.recaller import _query_rows
+from streamgrok.cache.tiers.recaller import _query_rows
 from streamgrok.cache.tokens import STREAM
 
 CHUNK = 24

@@ -3,12 +3,13 @@
 Three caches implement them: `PagedKVCache` (one process), `KVParallelCache` (one rank's
 shard; the same calls on every rank) and the engine's `LeaderCache` (rank 0, which sends each
 mutating call to the followers first). The model's side, the attention a forward pass runs,
-is `streamgrok.model.batch.AttentionBackend`; this module is the scheduler's side:
+is a cache's `attention` (a `streamgrok.model.batch.AttentionBackend`: `PagedAttention` for
+the paged cache); this module is the scheduler's side:
 
 - `SequenceCache`: sequences (add, fork, remove), their records and budgets, the pages a
-  step needs, the step's transaction (`reserve`, then `commit` or `rollback`), eviction and
-  the frame index. Every cache has these.
-- `StepCache`: the above and the model's side in one object (what the model runner holds).
+  step needs (`page_ledger`, the one count the planner and `reserve` share), the step's
+  transaction (`reserve`, then `commit` or `rollback`), eviction and the frame index, and
+  the cache's `attention` for the model. Every cache has these.
 - `ResumableCache`: a session's KV parked in host memory while its client is away, exported
   to and imported from a snapshot. `PagedKVCache` only.
 - `ContextCache`: a client's own context bounds (target and trigger) for its session.
@@ -27,15 +28,25 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from streamgrok.cache.config import CacheConfig
-from streamgrok.cache.host_tier import HostTier
 from streamgrok.cache.pool import PagePool
+from streamgrok.cache.tiers.host_tier import HostTier
 from streamgrok.model.batch import AttentionBackend
 from streamgrok.stream_tokens import TokenInfo
 
 if TYPE_CHECKING:
-    from streamgrok.cache.paged_cache import CacheStats, SequenceState
+    from streamgrok.cache.core import CacheStats
     from streamgrok.cache.parking import SequenceSnapshot
-    from streamgrok.cache.recall import RecallResult
+    from streamgrok.cache.records import SequenceState
+    from streamgrok.cache.tiers.recall import RecallResult
+
+
+class PlannerLedger(Protocol):
+    """What the planner asks of a page ledger."""
+
+    def take(self, seq_id: int, tokens: int) -> bool:
+        """Count `tokens` more tokens of `seq_id` when they fit the pages left; returns
+        whether they did."""
+        ...
 
 
 @runtime_checkable
@@ -49,6 +60,7 @@ class SequenceCache(Protocol):
     sequences: Mapping[int, SequenceState]
     stats: CacheStats
     tier: HostTier | None  # the host tier recall reads, None without one
+    attention: AttentionBackend  # the model's side: what a forward pass stores and attends
 
     def add_sequence(self, seq_id: int, prefix_tokens: Sequence[int] | None = None,
                      prefix_info: TokenInfo | None = None, pinned: int = 0) -> int:
@@ -88,6 +100,10 @@ class SequenceCache(Protocol):
         """Free pages appending `counts` (seq id -> tokens) would take."""
         ...
 
+    def page_ledger(self) -> PlannerLedger:
+        """A count of the pages the spans of one step take, against the pages free now."""
+        ...
+
     def reserve(self, counts: dict[int, int]) -> None:
         """Open a step: allocate its pages now (all or nothing, `CacheFullError`)."""
         ...
@@ -108,11 +124,6 @@ class SequenceCache(Protocol):
     def index_frame(self, seq_id: int, source: int, embedding: torch.Tensor) -> None:
         """Keep a cached frame's CLIP embedding for frame-aware eviction."""
         ...
-
-
-@runtime_checkable
-class StepCache(SequenceCache, AttentionBackend, Protocol):
-    """A cache the model runner steps: the scheduler's side and the model's."""
 
 
 @runtime_checkable

@@ -24,19 +24,20 @@ from dataclasses import dataclass, replace
 import torch
 
 from streamgrok.cache.config import CacheConfig
+from streamgrok.cache.core import CacheStats
+from streamgrok.cache.eviction import compact_layer, evict_each
 from streamgrok.cache.kv_group import KVGroup
-from streamgrok.cache.paged_cache import (
-    CacheStats,
-    PagedKVCache,
+from streamgrok.cache.page_ledger import PageLedger
+from streamgrok.cache.paged_cache import PagedKVCache
+from streamgrok.cache.policies import LayerView, select_keep
+from streamgrok.cache.records import (
     SequenceState,
     demote_protected,
-    evict_each,
     forget_evicted_frames,
     limit_layer_protection,
     next_stream_rows,
     retained_media,
 )
-from streamgrok.cache.policies import LayerView, select_keep
 from streamgrok.cache.shard_attention import (
     ShardPartial,
     empty_partial,
@@ -81,6 +82,25 @@ class _Saved:
     counters: dict[int, tuple[int, int, int | None]]
 
 
+class ShardLedger:
+    """The planner's page ledger under KV parallelism: this rank's pages, a sequence's
+    tokens counted as the ones this rank holds."""
+
+    def __init__(self, ledger: PageLedger, owned_count: Callable[[int, int, int], int]) -> None:
+        self.ledger = ledger
+        self._owned_count = owned_count
+        self._taken: dict[int, int] = {}  # seq id -> tokens taken (over all ranks)
+
+    def take(self, seq_id: int, tokens: int) -> bool:
+        """Count `tokens` more tokens of `seq_id` when this rank's share fits; returns
+        whether it did."""
+        taken = self._taken.get(seq_id, 0)
+        if not self.ledger.take(seq_id, self._owned_count(seq_id, tokens, taken)):
+            return False
+        self._taken[seq_id] = taken + tokens
+        return True
+
+
 class KVParallelCache:
     """An AttentionBackend whose sequences are sharded over the ranks of `group`; the same
     interface as `PagedKVCache` for the engine. Every rank must make the same calls in the
@@ -112,6 +132,7 @@ class KVParallelCache:
         self.rotary = self.local.rotary
         self.pool = self.local.pool
         self.page_bytes = self.local.page_bytes
+        self.attention = self  # the model's side: every rank attends over its shard
         self.sequences: dict[int, SequenceState] = {}  # the whole sequence's records
         self.stats = CacheStats(evicted_by_layer=[0] * model_config.num_layers)
         self.exchanged_bytes = 0  # sent by this rank in collectives
@@ -124,8 +145,10 @@ class KVParallelCache:
         pages = torch.div(stream, self.config.page_size, rounding_mode="floor").long()
         return pages % self.group.world == self.group.rank
 
-    def _owned_count(self, seq_id: int, count: int) -> int:
-        start = self.sequences[seq_id].stream_pos
+    def _owned_count(self, seq_id: int, count: int, after: int = 0) -> int:
+        """How many of `seq_id`'s next `count` tokens (past `after` already counted) this
+        rank holds."""
+        start = self.sequences[seq_id].stream_pos + after
         stream = torch.arange(start, start + count, dtype=torch.float64)
         return int(self.owned(stream).sum())
 
@@ -200,6 +223,11 @@ class KVParallelCache:
     def can_append(self, seq_id: int, count: int) -> bool:
         return self.pages_needed({seq_id: count}) <= self.pool.free_pages
 
+    def page_ledger(self) -> ShardLedger:
+        """A ledger of this rank's pages for the planner: a sequence's tokens count as the
+        ones this rank holds (every rank takes the same spans; `reserve` checks them all)."""
+        return ShardLedger(self.local.page_ledger(), self._owned_count)
+
     # -- reservation -----------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -262,7 +290,7 @@ class KVParallelCache:
         spans = batch.spans()
         if len({s for s, _, _ in spans}) != len(spans):
             raise ValueError("a batch may hold each sequence once")
-        if not self.local.reserved:
+        if not self.local.core.reserved:
             self.reserve({s: n for s, _, n in spans})
         info = batch.token_info or TokenInfo.text(batch.num_tokens)
         layers = len(self.budgets)
@@ -339,7 +367,7 @@ class KVParallelCache:
             queries = span.rows.stop - span.rows.start
             observed = 1 if queries == 1 else min(queries, window or queries)
             mass = shard_mass(part.scores, lse[span.rows], observed)
-            self.local.observe_mass(self.local.sequences[span.seq_id].layers[layer], mass,
+            self.local.core.observe_mass(self.local.sequences[span.seq_id].layers[layer], mass,
                                     observed)
 
     # -- eviction --------------------------------------------------------------------------
@@ -377,7 +405,8 @@ class KVParallelCache:
             kept = torch.zeros(whole.length, dtype=torch.bool)
             kept[keep] = True
             local = self.local.sequences[seq_id].layers[layer]
-            self.local.compact_layer(local, torch.nonzero(kept[positions]).flatten())
+            compact_layer(self.pool, self.kernels, local,
+                          torch.nonzero(kept[positions]).flatten(), self.device)
             removed = whole.length - keep.numel()
             whole.keep_only(keep)
             self.stats.evicted_by_layer[layer] += removed

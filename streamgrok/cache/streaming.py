@@ -38,7 +38,7 @@ def feed(
             batch.logit_rows = None
         if info is not None:
             batch.token_info = info.slice(start, start + part.numel())
-        logits = model(part, batch, cache)
+        logits = model(part, batch, cache.attention)
         cache.evict([seq_id])
         if on_chunk is not None:
             on_chunk(start + part.numel(), logits if all_logits else None)
@@ -63,6 +63,6 @@ def greedy_continue(
             break
         out.append(token)
         batch = BatchMetadata.build([seq_id], [1], model.device)
-        logits = model(torch.tensor([token], device=model.device), batch, cache)
+        logits = model(torch.tensor([token], device=model.device), batch, cache.attention)
         cache.evict([seq_id])
     return out

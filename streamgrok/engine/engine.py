@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from streamgrok.cache.config import CacheConfig
-from streamgrok.cache.contract import ContextCache, StepCache
+from streamgrok.cache.contract import ContextCache, SequenceCache
 from streamgrok.cache.kv_group import KVGroup
 from streamgrok.cache.paged_cache import PagedKVCache
 from streamgrok.cache.parking import SequenceSnapshot
@@ -84,7 +84,7 @@ class Engine:
         # the model's own vision tower, shared by every session (frames batched across them)
         self.vision = (FrameBatcher(loaded.vision, loaded.tokenizer, loaded.model.embed)
                        if loaded.vision is not None else None)
-        self.cache: StepCache
+        self.cache: SequenceCache
         if self.kv_group is None:
             self.cache = PagedKVCache(
                 loaded.config, cache_config, loaded.model.dtype,

@@ -100,7 +100,7 @@ def follow(loaded: LoadedModel, cache_config: CacheConfig, group: KVGroup) -> No
             try:
                 if command[0] == "forward":
                     _, input_ids, batch = command
-                    model(input_ids.to(model.device), _on(batch, model.device), cache)
+                    model(input_ids.to(model.device), _on(batch, model.device), cache.attention)
                 else:
                     _, name, args, kwargs = command
                     getattr(cache, name)(*args, **kwargs)

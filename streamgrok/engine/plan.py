@@ -97,7 +97,7 @@ class Planner:
     def plan(self, sessions: list[SessionState]) -> StepPlan:
         plan = StepPlan()
         budget = self.config.step_tokens
-        free = _PageBudget(self.cache)
+        free = self.cache.page_ledger()
         answers = [a for s in sessions for a in s.answers.values()
                    if not a.cancel_requested.is_set()]
 
@@ -156,21 +156,6 @@ class Planner:
             else:
                 span.release()
         return plan
-
-
-class _PageBudget:
-    """Free pages left for this step as spans are added."""
-
-    def __init__(self, cache: SequenceCache) -> None:
-        self.cache = cache
-        self.free = cache.pool.free_pages
-
-    def take(self, seq_id: int, tokens: int) -> bool:
-        needed = self.cache.pages_needed({seq_id: tokens})
-        if needed > self.free:
-            return False
-        self.free -= needed
-        return True
 
 
 def _rotate(items: list, turn: int) -> list:

@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from streamgrok.cache.contract import StepCache
+from streamgrok.cache.contract import SequenceCache
 from streamgrok.engine.plan import Span, StepPlan
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.llama import Transformer
@@ -54,11 +54,12 @@ class StepThreads:
 class ModelRunner:
     """Runs one engine step on the model and returns a sampled token per sampling span."""
 
-    def __init__(self, model: Transformer, backend: StepCache, nano_batches: int = 1,
+    def __init__(self, model: Transformer, cache: SequenceCache, nano_batches: int = 1,
                  length_ratio: float = 0.8, threads: StepThreads | None = None) -> None:
         self.model = model
         self.threads = threads
-        self.backend = backend
+        self.cache = cache  # the step's pages: reserve, then commit or roll back
+        self.backend = cache.attention  # what the model's forward passes attend through
         self.nano_batches = nano_batches
         self.length_ratio = length_ratio
         self.device = model.device
@@ -91,13 +92,13 @@ class ModelRunner:
     def _run_reserved(self, plan: StepPlan) -> dict[int, int]:
         if self.threads is not None:
             self.threads.use_for(sum(len(span) for span in plan.spans))
-        self.backend.reserve(plan.token_counts())
+        self.cache.reserve(plan.token_counts())
         try:
             sampled = self.run(plan)
         except BaseException:
-            self.backend.rollback()
+            self.cache.rollback()
             raise
-        self.backend.commit()
+        self.cache.commit()
         return sampled
 
     @torch.inference_mode()
@@ -183,8 +184,7 @@ class ModelRunner:
         return whole is not None and whole.enabled and whole.step is not None
 
     def _cache_length(self, seq_id: int) -> int:
-        lengths = getattr(self.backend, "layer_lengths", None)
-        return max(lengths(seq_id)) if lengths else 0
+        return max(self.cache.layer_lengths(seq_id))
 
     def _pack(self, spans: list[Span]) -> tuple[torch.Tensor, BatchMetadata]:
         ids = torch.cat([s.token_ids for s in spans]).to(self.device)

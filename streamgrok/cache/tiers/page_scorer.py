@@ -1,6 +1,6 @@
 """Recall's scoring of one layer's host pages as one expression, compiled on the CPU.
 
-Scoring a layer (`streamgrok.cache.recall`) rotates the question's queries, the resident keys
+Scoring a layer (`streamgrok.cache.tiers.recall`) rotates the question's queries, the resident keys
 and the page centers, takes the queries' log-sum-exp over the resident keys, bounds and
 estimates every page's attention and sums what each page would add to the estimated hit rate
 (`page_gains`, so what leaves the expression is a few numbers per page). Run as separate
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from streamgrok.cache.recall import causal_logits, page_gains, score_pages
+from streamgrok.cache.tiers.recall import causal_logits, page_gains, score_pages
 from streamgrok_kernels.background_compile import (
     BackgroundCompiles,
     CallContext,

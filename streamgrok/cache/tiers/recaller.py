@@ -1,6 +1,6 @@
 """The cache's recall: which host-tier pages come back into an answer's fork, and when.
 
-Two ways in, one rule (`streamgrok.cache.recall`):
+Two ways in, one rule (`streamgrok.cache.tiers.recall`):
 
 * in the pass (what the engine does): `arm(seq)` before the answer's question is prefilled;
   at every layer of that forward pass, before the question's attention, the question's own
@@ -14,22 +14,23 @@ Two ways in, one rule (`streamgrok.cache.recall`):
   commits the recalled pages leave the host tier, and eviction sends back what the working
   set needs least; a step that fails puts each layer back as it was (`end_step`).
 
-Owned by one PagedKVCache and used on its thread only.
+Owned by one PagedKVCache and used on its thread only; it acts on the cache's core (pages,
+records, the open step), which it is given, not on the cache.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from streamgrok.cache.attention_plan import AttentionPlan, SpanGroup, refresh_layer
-from streamgrok.cache.host_tier import TierLayer, stand_in_layer
-from streamgrok.cache.page_scorer import PageScorer
-from streamgrok.cache.recall import (
+from streamgrok.cache.core import CacheCore
+from streamgrok.cache.records import SequenceState
+from streamgrok.cache.tiers.host_tier import TierLayer, stand_in_layer
+from streamgrok.cache.tiers.page_scorer import PageScorer
+from streamgrok.cache.tiers.recall import (
     PageChoice,
     QueryCapture,
     RecallResult,
@@ -41,9 +42,6 @@ from streamgrok.cache.recall import (
 from streamgrok.cache.tokens import STREAM, LayerTokens
 from streamgrok.errors import CacheFullError
 from streamgrok_kernels.paged_read import COMPILED_MIN_TOKENS
-
-if TYPE_CHECKING:
-    from streamgrok.cache.paged_cache import PagedKVCache, SequenceState
 
 
 @dataclass
@@ -72,12 +70,10 @@ class _Moved:
 
 
 class Recaller:
-    """Recall for the sequences of one cache."""
+    """Recall for the sequences of one cache, acting on its core."""
 
-    def __init__(self, cache: PagedKVCache) -> None:
-        # a proxy, not a reference: the cache owns this, and a cycle between them would keep
-        # a dropped cache (its page pool, gigabytes) alive until the collector ran
-        self.cache = weakref.proxy(cache)
+    def __init__(self, core: CacheCore) -> None:
+        self.core = core
         self._captures: dict[int, QueryCapture] = {}
         self._armed: dict[int, _Armed] = {}
         self._done: dict[int, RecallResult] = {}
@@ -97,7 +93,7 @@ class Recaller:
 
     def arm(self, seq_id: int, room: int, min_hit_rate: float) -> None:
         """Recall inside the sequence's next forward pass, keeping `room` positions free."""
-        seq = self.cache.sequences[seq_id]
+        seq = self.core.sequences[seq_id]
         self._armed[seq_id] = _Armed(room, min_hit_rate,
                                      RecallResult(layer_tokens=[0] * len(seq.layers)),
                                      bytes_before=self._tier_bytes())
@@ -106,12 +102,12 @@ class Recaller:
         """Recall inside the next pass of a streamed chunk of `seq_id` when it owns host
         pages (a session's stream, not an answer's fork) and is not armed already; returns
         whether it was armed."""
-        seq = self.cache.sequences[seq_id]
-        tier = self.cache.tier
+        seq = self.core.sequences[seq_id]
+        tier = self.core.tier
         if seq_id in self._armed or tier is None or seq.tier_source != seq_id or \
                 not any(layer.num_pages for layer in tier.sequences.get(seq_id, [])):
             return False
-        config = self.cache.config
+        config = self.core.config
         threshold = config.recall_stream_min_hit_rate
         self._armed[seq_id] = _Armed(0, config.recall_min_hit_rate if threshold is None
                                      else threshold,
@@ -127,11 +123,11 @@ class Recaller:
         for seq_id in [s for s, armed in self._armed.items() if armed.stream]:
             del self._armed[seq_id]
         moved, self._moved = self._moved, []
-        pool = self.cache.pool
+        pool = self.core.pool
         for move in moved if committed else reversed(moved):
             if committed:
                 pool.release(move.old_pages)
-                self.cache.tier.restore(move.tier_layer, move.index)
+                self.core.tier.restore(move.tier_layer, move.index)
             else:
                 pool.release(move.rec.pages)
                 move.rec.put_back(move.old_pages, move.old_meta, move.old_score,
@@ -147,18 +143,18 @@ class Recaller:
         (`k`, unrotated, rows as `q`'s) are stored; returns the plan, with that layer
         updated where its tokens moved."""
         moved = False
-        last = layer == len(self.cache.budgets) - 1
+        last = layer == len(self.core.budgets) - 1
         for seq_id, row, count in plan.spans:
             armed = self._armed.get(seq_id)
             if armed is None:
                 continue
             started = time.perf_counter()
             start = plan.starts[seq_id][layer]
-            config = self.cache.config
+            config = self.core.config
             keep = config.recall_stream_queries if armed.stream else config.recall_queries
             picked = _query_rows(count, keep, armed.stream).to(q.device)
             queries = (q[row : row + count][picked], start + picked)
-            added = self._recall_layer(self.cache.sequences[seq_id], layer, queries, start,
+            added = self._recall_layer(self.core.sequences[seq_id], layer, queries, start,
                                        armed.room, armed.min_hit_rate, armed.result,
                                        armed.hits, own_keys=k[row : row + count],
                                        stream=armed.stream)
@@ -169,14 +165,14 @@ class Recaller:
             if last:
                 del self._armed[seq_id]
                 if armed.stream:
-                    self.cache.tier.stats.stream_recalls += 1
+                    self.core.tier.stats.stream_recalls += 1
                 else:
                     self._done[seq_id] = self._finish(armed.result, armed.hits,
                                                       armed.bytes_before)
         if moved:
-            records = {s: self.cache.sequences[s].layers for s, _, _ in plan.spans}
-            refresh_layer(plan, layer, records, self.cache.config.page_size)
-        if last and self._moved and not self.cache.reserved:
+            records = {s: self.core.sequences[s].layers for s, _, _ in plan.spans}
+            refresh_layer(plan, layer, records, self.core.config.page_size)
+        if last and self._moved and not self.core.reserved:
             self.end_step(committed=True)  # no step to fail (a pass run without `reserve`)
         return plan
 
@@ -184,8 +180,8 @@ class Recaller:
     def rehearsal_due(self) -> bool:
         """Whether `rehearse` still has work: a CPU cache whose scorer compiles (elsewhere
         nothing is compiled) and has not been called."""
-        return (not self._rehearsed and self.cache.tier is not None and self.scorer.compiled
-                and self.cache.device.type == "cpu")
+        return (not self._rehearsed and self.core.tier is not None and self.scorer.compiled
+                and self.core.device.type == "cpu")
 
     def rehearse(self, layer: int, q: torch.Tensor, plan: AttentionPlan) -> None:
         """Score two stand-in host pages (`stand_in_layer`: the chunk's sequence's first keys)
@@ -197,16 +193,16 @@ class Recaller:
         demo's first recalling question: TTFT 3.9 s against 0.3 s with compiled scoring
         off). The same dtypes, sizes and autograd mode as a question's call (a chunk of
         several tokens, the engine's thread) make the same kind of call."""
-        cache = self.cache
+        core = self.core
         for seq_id, row, count in plan.spans:
             resident = plan.starts[seq_id][layer]
             if count < 2 or resident < 2:
                 continue
-            rec = cache.sequences[seq_id].layers[layer]
-            keys, _ = cache.pool.read(rec.slots(0, 2).to(cache.device))
-            keep = cache.config.recall_queries
+            rec = core.sequences[seq_id].layers[layer]
+            keys, _ = core.pool.read(rec.slots(0, 2).to(core.device))
+            keep = core.config.recall_queries
             positions = torch.arange(resident, resident + count, device=q.device)[-keep:]
-            self.choose(rec, resident, stand_in_layer(keys, cache.config.page_size),
+            self.choose(rec, resident, stand_in_layer(keys, core.config.page_size),
                         (q[row : row + count][-keep:], positions), budget=0, cap=0,
                         min_hit_rate=0.0)
             self._rehearse_long_read(rec, resident, q.dtype)
@@ -217,11 +213,11 @@ class Recaller:
         """Read one sequence's keys as a question's attention over recalled pages will (more
         tokens than the paged reader compiles for), so that kind of read compiles with the
         stream too: a stream whose budget stays under that length never reads so many."""
-        cache = self.cache
+        core = self.core
         width = COMPILED_MIN_TOKENS
-        slots = rec.slots(0, resident).to(cache.device).repeat(width // resident + 1)[:width]
-        cos, sin = cache.rotary.tables(width)
-        cache.kernels.paged_reader.read(cache.pool.paged_kv(), slots[None], cos, sin, dtype)
+        slots = rec.slots(0, resident).to(core.device).repeat(width // resident + 1)[:width]
+        cos, sin = core.rotary.tables(width)
+        core.kernels.paged_reader.read(core.pool.paged_kv(), slots[None], cos, sin, dtype)
 
     # -- explicitly ------------------------------------------------------------------------
 
@@ -243,7 +239,7 @@ class Recaller:
     def recall(self, seq_id: int, room: int) -> RecallResult:
         """Recall for the queries `capture` recorded (the whole sequence is resident)."""
         started = time.perf_counter()
-        seq = self.cache.sequences[seq_id]
+        seq = self.core.sequences[seq_id]
         capture = self._captures.pop(seq_id, None)
         result = RecallResult(layer_tokens=[0] * len(seq.layers))
         if capture is None or not self._has_tier(seq):
@@ -255,7 +251,7 @@ class Recaller:
                 hits.append(1.0)
                 continue
             self._recall_layer(seq, layer, queries, rec.length, room,
-                               self.cache.config.recall_min_hit_rate, result, hits)
+                               self.core.config.recall_min_hit_rate, result, hits)
         result.seconds = time.perf_counter() - started
         return self._finish(result, hits, before)
 
@@ -270,14 +266,14 @@ class Recaller:
         `own_keys`, unrotated, which the queries attend too). `stream`: the pages move into
         the tier's own sequence (`end_step` completes or undoes that) instead of being copied
         into an answer's fork, which may hold them beyond its budget."""
-        cache = self.cache
-        tier_layer = cache.tier.layer(seq.tier_source, layer) if self._has_tier(seq) else None
+        core = self.core
+        tier_layer = core.tier.layer(seq.tier_source, layer) if self._has_tier(seq) else None
         if tier_layer is None or tier_layer.num_pages == 0:
             hits.append(1.0)
             return 0
         rec = seq.layers[layer]
-        cap = max(0, cache.model_config.max_positions - room - rec.length)
-        budget = cache.config.recall_tokens or cache.budgets[layer] or 0
+        cap = max(0, core.model_config.max_positions - room - rec.length)
+        budget = core.config.recall_tokens or core.budgets[layer] or 0
         choice = self.choose(rec, resident, tier_layer, queries, budget, cap, min_hit_rate,
                              own_keys)
         hits.append(choice.hit_rate)
@@ -286,10 +282,10 @@ class Recaller:
         if not choice.index.numel():
             return 0
         index = torch.sort(choice.index).values
-        k, v, meta = cache.tier.read(tier_layer, index)
+        k, v, meta = core.tier.read(tier_layer, index)
         before = (rec.meta, rec.score, rec.length)
         try:
-            old_pages = insert_tokens(cache.pool, cache.kernels, rec, k, v, meta,
+            old_pages = insert_tokens(core.pool, core.kernels, rec, k, v, meta,
                                       release_old=not stream)
         except CacheFullError:
             result.limited = True
@@ -307,41 +303,41 @@ class Recaller:
         against the first `resident` tokens of `rec`, then `own_keys` (the queries' chunk's
         keys, not yet stored, at the positions after them), and the host pages of
         `tier_layer`. What a question's tokens draw to themselves is resident mass too."""
-        cache = self.cache
+        core = self.core
         q, positions = queries
-        positions = positions.to(cache.device, torch.int64)
-        keys, _ = cache.pool.read(rec.slots(0, resident).to(cache.device))
+        positions = positions.to(core.device, torch.int64)
+        keys, _ = core.pool.read(rec.slots(0, resident).to(core.device))
         if own_keys is not None and own_keys.shape[0]:
             keys = torch.cat([keys, own_keys.to(keys.dtype)])
-        cos, sin = cache.rotary.tables(max(keys.shape[0], int(positions.max()) + 1))
+        cos, sin = core.rotary.tables(max(keys.shape[0], int(positions.max()) + 1))
         insert_at = torch.searchsorted(rec.column(STREAM)[:resident].contiguous(),
                                        tier_layer.first_stream().contiguous())
-        score, gain, base = self.scorer(q.to(cache.device), positions, keys, tier_layer.centers,
-                                  insert_at.to(cache.device), tier_layer.radii,
+        score, gain, base = self.scorer(q.to(core.device), positions, keys, tier_layer.centers,
+                                  insert_at.to(core.device), tier_layer.radii,
                                   tier_layer.plane_vars, tier_layer.counts, cos, sin,
-                                  attention_scale(cache.model_config.head_dim))
+                                  attention_scale(core.model_config.head_dim))
         return choose_pages(score, gain, base, tier_layer.counts, budget, cap, min_hit_rate)
 
     def rotated(self, rec, resident: int, queries) -> tuple[torch.Tensor, ...]:
         """The queries (unrotated [R, H, D], cache positions [R]) and the first `resident`
         keys of `rec`, each rotated by its cache position: (q_rot, k_rot, positions, tables)."""
-        cache = self.cache
+        core = self.core
         q, positions = queries
-        positions = positions.to(cache.device, torch.int64)
-        tables = cache.rotary.tables(max(resident, int(positions.max())) + 1)
-        q_rot = rotate(cache.kernels, q.to(cache.device), positions, tables)
-        keys, _ = cache.pool.read(rec.slots(0, resident).to(cache.device))
-        k_rot = rotate(cache.kernels, keys, torch.arange(resident, device=cache.device), tables)
+        positions = positions.to(core.device, torch.int64)
+        tables = core.rotary.tables(max(resident, int(positions.max())) + 1)
+        q_rot = rotate(core.kernels, q.to(core.device), positions, tables)
+        keys, _ = core.pool.read(rec.slots(0, resident).to(core.device))
+        k_rot = rotate(core.kernels, keys, torch.arange(resident, device=core.device), tables)
         return q_rot, k_rot, positions, tables
 
     # -- bookkeeping -----------------------------------------------------------------------
 
     def _has_tier(self, seq: SequenceState) -> bool:
-        tier = self.cache.tier
+        tier = self.core.tier
         return tier is not None and seq.tier_source in tier.sequences
 
     def _tier_bytes(self) -> int:
-        tier = self.cache.tier
+        tier = self.core.tier
         return 0 if tier is None else tier.stats.recall_bytes
 
     def _finish(self, result: RecallResult, hits: list[float], bytes_before: int
@@ -349,7 +345,7 @@ class Recaller:
         result.tokens = sum(result.layer_tokens)
         result.hit_rate = sum(hits) / len(hits) if hits else 1.0
         result.bytes_moved = self._tier_bytes() - bytes_before
-        tier = self.cache.tier
+        tier = self.core.tier
         if tier is not None:
             stats = tier.stats
             stats.recalls += 1

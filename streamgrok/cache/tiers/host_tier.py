@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from streamgrok.cache.page_store import PageStore, page_bytes
+from streamgrok.cache.tiers.page_store import PageStore, page_bytes
 from streamgrok.cache.tokens import META_COLUMNS, PROTECTED, STREAM
 
 
