@@ -41,12 +41,12 @@ TYPE_HANDLES = {
     ("streamgrok.pipeline.ingest_stages", "streamgrok.pipeline.ingest"),
     # the package's lazy exports, typed for editors
     ("streamgrok", "streamgrok.server.app"),
-    # server parts annotate the server and connection that own them
-    ("streamgrok.server.connection", "streamgrok.server.app"),
+    # the HTTP routes annotate the server that builds them
     ("streamgrok.server.http_app", "streamgrok.server.app"),
     ("streamgrok.server.openai_api", "streamgrok.server.app"),
-    ("streamgrok.server.resumable", "streamgrok.server.app"),
+    # a connection's resumable part, and the context it is given, name the connection
     ("streamgrok.server.resumable", "streamgrok.server.connection"),
+    ("streamgrok.server.session_context", "streamgrok.server.connection"),
     ("streamgrok.server.answer_stream", "streamgrok.server.connection"),
 }
 

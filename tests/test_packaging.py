@@ -56,7 +56,7 @@ def test_the_installed_package_finds_its_files_without_the_checkout(wheel, tmp_p
     elsewhere.mkdir()
     probe = "\n".join([
         "from streamgrok.cli.options import resolve_pipeline",
-        "from streamgrok.server.app import STATIC_DIR",
+        "from streamgrok.server.config import STATIC_DIR",
         "from streamgrok.pipeline.loader import load_pipeline",
         "path = resolve_pipeline('live_qa')",
         f"assert path.startswith({str(target)!r}), path",

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
-import os
 import signal
 import socket
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 
 import uvicorn
 
@@ -30,11 +27,11 @@ from streamgrok.pipeline.options import check_client_options
 from streamgrok.pipeline.pipeline import Pipeline
 from streamgrok.pipeline.resources import SharedResources
 from streamgrok.server.access import Access
+from streamgrok.server.config import ServerConfig
 from streamgrok.server.connection import ClientConnection
 from streamgrok.server.load import (
     CpuMeter,
     LoadGovernor,
-    LoadLimits,
     LoadReading,
     Refusal,
     decode_rate,
@@ -42,66 +39,10 @@ from streamgrok.server.load import (
 from streamgrok.server.metrics import ServerMetrics
 from streamgrok.server.refusals import RefusalLog
 from streamgrok.server.resumption import ResumeShelf, handle_key
+from streamgrok.server.session_context import SessionContext
 from streamgrok.server.session_store import Refused, SessionStore
 
 log = logging.getLogger(__name__)
-STATIC_DIR = Path(__file__).resolve().parent / "static"
-TOKEN_ENVS = ("STREAMGROK_API_KEY", "STREAMGROK_TOKEN")
-
-
-@dataclass
-class ServerConfig:
-    """Limits and security settings of the server."""
-
-    pipeline_path: str
-    host: str = "127.0.0.1"
-    port: int = 8765
-    token: str | None = None  # the API key (`--api-key`, formerly `--token`)
-    allowed_origins: list[str] = field(default_factory=list)
-    pipeline_options: dict = field(default_factory=dict)
-    max_message_bytes: int = 2 * 2**20
-    max_text_chars: int = 32_768  # input.text and query text (the engine bounds tokens too)
-    # how long an input.text may wait for room in its session's text queue before it is
-    # refused (`text_backlog`); while a connection is backlogged, at once
-    text_wait_s: float = 5.0
-    max_inflight_queries: int = 4
-    max_media_per_second: int = 30
-    media_lane: int = 32  # a client's media messages queued apart from its control messages
-    idle_timeout_s: float = 300.0
-    outbound_queue: int = 256
-    stats_interval_s: float = 2.0
-    max_sessions: int = 32
-    media_workers: int = 2  # processes for image decoding and OpenCV detectors
-    load_tick_s: float | None = 2.0  # how often the load governor measures (None: never)
-    load_limits: LoadLimits = field(default_factory=LoadLimits)
-    shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight answers may finish
-    static_dir: Path = STATIC_DIR
-    max_request_bytes: int = 8 * 2**20  # an HTTP request body (images travel base64 in it)
-    max_completion_tokens: int = 1024  # the most an HTTP request may ask to generate
-    max_images: int = 8  # images in one HTTP request
-    model_name: str | None = None  # the id /v1/models lists (default: the model file's name)
-    replica: str | None = None  # this server's name among replicas (default: host:port)
-    resume_ttl_s: float = 300.0  # how long a session outlives its dropped connection (0: not)
-    max_detached: int = 8  # sessions kept for resumption at once (the oldest ends first)
-    state_dir: str | None = None  # where a draining server saves sessions for the next one
-
-    def __post_init__(self) -> None:
-        self.token = self.token or next(
-            (os.environ[name] for name in TOKEN_ENVS if os.environ.get(name)), None)
-        if not _is_loopback(self.host) and not self.token:
-            raise ValueError(
-                f"binding to {self.host} (not loopback) requires an API key: pass --api-key "
-                f"or set {TOKEN_ENVS[0]}"
-            )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class _Uvicorn(uvicorn.Server):
@@ -277,7 +218,7 @@ class StreamgrokServer:
             self.shelf.retire(key, "the saved session's resume time ran out")
             return
         try:
-            ClientConnection.restored(self, saved)
+            ClientConnection.restored(self.session_context(), saved)
         except Exception as exc:
             log.error("saved session %s not restored: %s", key[:12], exc)
             self.shelf.retire(key, f"the saved session could not be restored: {exc}")
@@ -471,10 +412,30 @@ class StreamgrokServer:
                                            for s in self.resources.speech_stats().values())
         return dict(total)
 
-    def session_ended(self, drops: dict[str, int], frames: int) -> None:
+    def session_opened(self) -> None:
+        """A client's session started (or was restored): counted until `session_closed`."""
+        self.active_sessions += 1
+        self.metrics.sessions.set(self.active_sessions)
+
+    def session_closed(self, drops: dict[str, int], frames: int) -> None:
         """A session ended: what it dropped and received joins the server's totals."""
         self.closed_drops.update(drops)
         self.closed_frames += frames
+        self.active_sessions -= 1
+        self.metrics.sessions.set(self.active_sessions)
+
+    def session_context(self) -> SessionContext:
+        """What a connection may use of this server (the engine must be running)."""
+        if self.engine is None or self.loaded is None:
+            raise RuntimeError("no session before the engine runs")
+        return SessionContext(
+            self.config, self.engine, self.resources, self.metrics, self.governor, self.shelf,
+            self.connections, self.model_name, self.loaded.name, self.replica,
+            admission=self.admission, accepting=lambda: self.accepting,
+            session_pipeline=self.session_pipeline, media_models=self.media_models,
+            make_room=self.make_room, answer_length=self.answer_length,
+            restore_saved=self.restore_saved, session_opened=self.session_opened,
+            session_closed=self.session_closed)
 
     @property
     def port(self) -> int:
@@ -482,7 +443,7 @@ class StreamgrokServer:
 
     async def serve_websocket(self, ws, kind: type[ClientConnection] = ClientConnection) -> None:
         """One client on an accepted websocket: protocol v1, or `kind` (Realtime)."""
-        connection = kind(self, ws)
+        connection = kind(self.session_context(), ws)
         self.connections.add(connection)
         try:
             await connection.serve()

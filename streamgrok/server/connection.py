@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.media.container_process import ContainerProcess
@@ -30,10 +30,8 @@ from streamgrok.server.asgi_socket import AsgiSocket, ClientGone
 from streamgrok.server.media_lane import MediaLane
 from streamgrok.server.protocol import ProtocolError, event, parse_binary, parse_text
 from streamgrok.server.resumable import SessionResumption
+from streamgrok.server.session_context import SessionContext
 from streamgrok.server.session_store import SavedSession
-
-if TYPE_CHECKING:
-    from streamgrok.server.app import StreamgrokServer
 
 log = logging.getLogger(__name__)
 ESSENTIAL = {"response.done", "error", "session.started", "session.ended"}
@@ -50,10 +48,10 @@ class ClientConnection(SessionResumption):
 
     resumable = True  # protocol v1 sessions can be resumed
 
-    def __init__(self, server: StreamgrokServer, ws: AsgiSocket | None) -> None:
-        self.server = server
+    def __init__(self, context: SessionContext, ws: AsgiSocket | None) -> None:
+        self.context = context  # what this connection may use of the server
         self.ws = ws
-        self.config = server.config
+        self.config = context.config
         self.runner: PipelineRunner | None = None
         self.video_in = self.audio_in = None
         self.container: ContainerProcess | None = None  # a pushed video.chunk stream
@@ -92,12 +90,12 @@ class ClientConnection(SessionResumption):
         successor = await self._serve_socket()
         while successor is not None:  # a detached session resumed on this socket
             successor, resumed = None, successor
-            self.server.connections.add(resumed)
+            self.context.connections.add(resumed)
             try:
                 successor = await resumed._serve_socket()
             finally:
                 if not resumed.detached:
-                    self.server.connections.discard(resumed)
+                    self.context.connections.discard(resumed)
 
     async def _serve_socket(self) -> ClientConnection | None:
         """Read this socket's messages; returns the detached session a `session.resume`
@@ -133,8 +131,8 @@ class ClientConnection(SessionResumption):
     def session_description(self) -> dict:
         """What `session.started` and `session.resumed` say of the session."""
         return {"session_id": self.runner.session.id, "pipeline": self.runner.pipeline.name,
-                "model": self.server.loaded.name, "vision": self.runner.vision_path(),
-                "answers": self.runner.answer_context(), "replica": self.server.replica,
+                "model": self.context.model_file, "vision": self.runner.vision_path(),
+                "answers": self.runner.answer_context(), "replica": self.context.replica,
                 "context": self.runner.session.context_policy(), "resume": self.resume_info()}
 
     def oldest_wait(self, now: float) -> float:
@@ -237,8 +235,8 @@ class ClientConnection(SessionResumption):
         if self.runner is not None:
             raise ProtocolError("session_exists", "session.start sent twice", message.get("id"))
         context = _context_field(message)
-        await self.server.media_models()
-        await self.server.make_room()
+        await self.context.media_models()
+        await self.context.make_room()
         self.open_session(message.get("options"), message.get("id"))
         if context is not None:
             try:
@@ -248,8 +246,8 @@ class ClientConnection(SessionResumption):
                 await self._end_session()
                 raise ProtocolError("bad_field", str(exc), message.get("id")) from None
         self.tasks.append(asyncio.create_task(self._stats_loop()))
-        if self.resumable and self.server.shelf.enabled:
-            self.resume_handle, self.resume_key = self.server.shelf.issue(self,
+        if self.resumable and self.context.shelf.enabled:
+            self.resume_handle, self.resume_key = self.context.shelf.issue(self,
                                                                           self.ws.principal)
         self.send("session.started", id=message.get("id"), **self.session_description())
 
@@ -259,24 +257,23 @@ class ClientConnection(SessionResumption):
         `saved` (refused `busy` when the server has no room; nothing is kept when the
         pipeline refuses to start)."""
         if saved is None:
-            refused = self.server.admission()
+            refused = self.context.admission()
             if refused is not None:
                 retry = {} if refused.retry_after_s is None else {
                     "retry_after_ms": round(refused.retry_after_s * 1000)}
                 raise ProtocolError("busy", str(refused), message_id, **retry)
-        pipeline = self.server.session_pipeline(options)
-        runner = PipelineRunner(pipeline, self.server.engine, [_Sink(self.deliver)],
-                                resources=self.server.resources)
+        pipeline = self.context.session_pipeline(options)
+        runner = PipelineRunner(pipeline, self.context.engine, [_Sink(self.deliver)],
+                                resources=self.context.resources)
         session = None
         if saved is not None:
-            session = self.server.engine.restore_session(runner.system_prompt(),
+            session = self.context.engine.restore_session(runner.system_prompt(),
                                                          saved.snapshot)
         runner.start(session)  # may refuse (a system prompt over the KV budget): nothing kept
         if saved is not None:
             runner.restore_state(saved.pipeline_state)
         self.runner, self.options = runner, options
-        self.server.active_sessions += 1
-        self.server.metrics.sessions.set(self.server.active_sessions)
+        self.context.session_opened()
         self.video_in, self.audio_in = self.runner.ingest.open_inputs()
         items = self.runner.ingest.process(self.video_in, self.audio_in)
         running = asyncio.create_task(self.runner.run_items(items))
@@ -322,7 +319,7 @@ class ClientConnection(SessionResumption):
                                 f"{len(self.answers)} queries in flight (max "
                                 f"{self.config.max_inflight_queries})", query_id)
         limit = self.runner.pipeline.sampling.max_tokens
-        max_tokens = self.server.answer_length(min(max_tokens or limit, limit))
+        max_tokens = self.context.answer_length(min(max_tokens or limit, limit))
         self.queries_asked += 1
         query_id = query_id or f"q{self.queries_asked}"
         if listener is not None:
@@ -391,7 +388,7 @@ class ClientConnection(SessionResumption):
         if self.runner is None:  # the session ended while the message waited
             return
         if media.kind == "video.frame":
-            pool = self.server.resources.media_pool
+            pool = self.context.resources.media_pool
             try:
                 image = await asyncio.to_thread(pool.decode_image, media.payload)
             except ValueError as exc:
@@ -481,9 +478,9 @@ class ClientConnection(SessionResumption):
 
     def record_answer(self, item: DoneEvent) -> None:
         """A finished answer's latency and tokens go to the metrics and the load governor."""
-        self.server.metrics.observe_answer(item.metrics)
+        self.context.metrics.observe_answer(item.metrics)
         if item.metrics.get("ttft_ms") is not None:
-            self.server.governor.record_ttft(item.metrics["ttft_ms"] / 1e3)
+            self.context.governor.record_ttft(item.metrics["ttft_ms"] / 1e3)
 
     def _queue(self, kind: str, text: str) -> None:
         if self.closed:
@@ -492,7 +489,7 @@ class ClientConnection(SessionResumption):
             return  # not kept: response.done carries the whole text, stats come anew
         if len(self.outbox) >= self.config.outbound_queue:
             self.dropped_outbound += 1
-            self.server.metrics.outbound_dropped.inc()
+            self.context.metrics.outbound_dropped.inc()
             victim = next((i for i, (k, _) in enumerate(self.outbox) if k not in ESSENTIAL),
                           None)
             if victim is None:  # every queued message is essential: drop this one
@@ -513,7 +510,7 @@ class ClientConnection(SessionResumption):
                 return
 
     def error(self, code: str, message: str, message_id: Any = None, **fields: Any) -> None:
-        self.server.metrics.errors.labels(code).inc()
+        self.context.metrics.errors.labels(code).inc()
         self._queue("error", event("error", code=code, message=message, message_id=message_id,
                                    **fields))
 
@@ -524,7 +521,7 @@ class ClientConnection(SessionResumption):
 
     async def stats(self) -> dict:
         """The `stats` message: engine snapshot, this session's cache contents, drops."""
-        engine = self.server.engine
+        engine = self.context.engine
         snap = engine.snapshot()
         runner = self.runner
         info = await runner.session.cache_info() if runner else {}
@@ -541,7 +538,7 @@ class ClientConnection(SessionResumption):
                       **drops},
             "frames": self.frame_counts(),
             "load": self.load_info(),
-            "speech": self.server.resources.speech_stats(),
+            "speech": self.context.resources.speech_stats(),
             "stream_time": runner.stats.stream_time if runner else 0.0,
             "latency": {"step_ms_p50": snap.step_ms_p50, "step_ms_p95": snap.step_ms_p95},
             "resume": self.resume_info(),
@@ -575,7 +572,7 @@ class ClientConnection(SessionResumption):
 
     def load_info(self) -> dict:
         """The sampling rate this session gets now, and whether the server degraded it."""
-        degradation = self.server.resources.degradation
+        degradation = self.context.resources.degradation
         runner = self.runner
         requested = runner.pipeline.ingest.fps if runner else 0.0
         return {"requested_fps": requested, "fps": requested * degradation.fps_scale,
@@ -585,7 +582,7 @@ class ClientConnection(SessionResumption):
         if self.runner is None:
             return
         runner, self.runner = self.runner, None
-        self.server.shelf.forget(self.resume_key)
+        self.context.shelf.forget(self.resume_key)
         self.resume_handle = self.resume_key = None
         if self.parking is not None:
             self.parking.cancel()
@@ -599,7 +596,7 @@ class ClientConnection(SessionResumption):
                                 stage="answer", answer_id=0, query_id=query_id))
         self.listeners.clear()
         # its drops and frames move to the server's totals at once; a next session starts at 0
-        self.server.session_ended(drops, self.frame_index)
+        self.context.session_closed(drops, self.frame_index)
         self.rate_limited = self.dropped_outbound = self.frame_index = 0
         if self.container is not None:
             await self.container.stop()
@@ -611,8 +608,6 @@ class ClientConnection(SessionResumption):
         self.tasks.clear()
         if runner.session is not None and not runner.session.closed:
             await runner.session.close()
-        self.server.active_sessions -= 1
-        self.server.metrics.sessions.set(self.server.active_sessions)
 
 
 def _context_field(message: dict) -> dict | None:

@@ -43,6 +43,7 @@ from streamgrok.server.realtime_events import (
 
 if TYPE_CHECKING:
     from streamgrok.server.asgi_socket import AsgiSocket
+    from streamgrok.server.session_context import SessionContext
 
 log = logging.getLogger(__name__)
 HANDLERS = {
@@ -72,8 +73,8 @@ class RealtimeConnection(ClientConnection):
     SUPERSEDED_WHILE_AWAY = ("response.output_text.delta", "response.output_audio_transcript"
                              ".delta", "response.content_part.added")
 
-    def __init__(self, server, ws: AsgiSocket) -> None:
-        super().__init__(server, ws)
+    def __init__(self, context: SessionContext, ws: AsgiSocket) -> None:
+        super().__init__(context, ws)
         self.audio_resampler = PcmResampler(DEFAULT_INPUT_RATE)
         self._event_ids = itertools.count(1)
         self._item_ids = itertools.count(1)
@@ -92,7 +93,7 @@ class RealtimeConnection(ClientConnection):
         self.started_at = time.monotonic()
 
     async def serve(self) -> None:
-        if self.ws.resume is not None and self.server.shelf.enabled:
+        if self.ws.resume is not None and self.context.shelf.enabled:
             try:
                 await self._resume({"handle": self.ws.resume, "id": None})
             except ProtocolError as exc:
@@ -104,15 +105,15 @@ class RealtimeConnection(ClientConnection):
                 await super().serve()  # the resumed session, on this socket
                 return
         try:
-            await self.server.media_models()
+            await self.context.media_models()
             self.open_session(None)
         except (ProtocolError, StreamgrokError) as exc:
             code = exc.code if isinstance(exc, ProtocolError) else "session_refused"
             await self._refuse(code, str(exc), 1013, "no room for a session")
             return
         self.max_output_tokens = self.runner.pipeline.sampling.max_tokens
-        if self.server.shelf.enabled and self.ws.resumable:
-            self.resume_handle, self.resume_key = self.server.shelf.issue(self,
+        if self.context.shelf.enabled and self.ws.resumable:
+            self.resume_handle, self.resume_key = self.context.shelf.issue(self,
                                                                           self.ws.principal)
         self.send("session.created", session=self._session(), resume=self.resume_info())
         await super().serve()
@@ -138,7 +139,7 @@ class RealtimeConnection(ClientConnection):
         return False
 
     def _session(self) -> dict:
-        return session_object(self.session_name, self.server.model_name, self.instructions,
+        return session_object(self.session_name, self.context.model_name, self.instructions,
                               self.audio_resampler.rate, self.max_output_tokens)
 
     # -- events out ------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class RealtimeConnection(ClientConnection):
         self._queue(message_type, json.dumps(body, allow_nan=False, default=str))
 
     def error(self, code: str, message: str, message_id: Any = None, **fields: Any) -> None:
-        self.server.metrics.errors.labels(code).inc()
+        self.context.metrics.errors.labels(code).inc()
         kind = "server_error" if code in ("internal", "pipeline_failed", "answer_failed") \
             else "invalid_request_error"
         body = {"type": "error", "event_id": f"event_{next(self._event_ids)}",
@@ -299,7 +300,7 @@ class RealtimeConnection(ClientConnection):
                                 "data URL")
         try:
             data = image_bytes(url)
-            image = await asyncio.to_thread(self.server.resources.media_pool.decode_image,
+            image = await asyncio.to_thread(self.context.resources.media_pool.decode_image,
                                             data)
         except (ImageError, ValueError, MediaWorkerError) as exc:
             raise ProtocolError("bad_image", str(exc)) from None

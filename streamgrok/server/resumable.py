@@ -2,7 +2,7 @@
 resuming on another socket, expiring, and saving for and restoring from the next process.
 
 `SessionResumption` is a part of `ClientConnection` (the session's one owner), kept in its own
-file; it uses the connection's session, outbox and server.
+file; it uses the connection's session, outbox and server context.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from streamgrok.server.protocol import ProtocolError, event
 from streamgrok.server.session_store import SavedSession, SessionStore
 
 if TYPE_CHECKING:
-    from streamgrok.server.app import StreamgrokServer
     from streamgrok.server.connection import ClientConnection
+    from streamgrok.server.session_context import SessionContext
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class SessionResumption:
 
     def _resumable(self) -> bool:
         return (self.resumable and self.runner is not None and self.resume_key is not None
-                and self.server.shelf.enabled and self.server.accepting)
+                and self.context.shelf.enabled and self.context.accepting())
 
     async def _detach(self) -> None:
         """The client dropped: keep the session for `--resume-ttl` seconds, its KV parked
@@ -43,9 +43,9 @@ class SessionResumption:
         self.ws = None
         self.stream_time_at_detach = self.runner.stats.stream_time
         log.info("session %s detached; resumable for %g s", self.runner.session.id,
-                 self.server.shelf.ttl_s,
+                 self.context.shelf.ttl_s,
                  extra={"event": "session.detached", "session": self.runner.session.id})
-        for victim in self.server.shelf.detach(self.resume_key):
+        for victim in self.context.shelf.detach(self.resume_key):
             await victim.expire("evicted")
         if self.detached and self.runner is not None:
             self.parking = asyncio.ensure_future(self._park())
@@ -64,11 +64,11 @@ class SessionResumption:
                  self.runner.session.id if self.runner else "?", reason,
                  extra={"event": "session.expired"})
         if reason == "expired":
-            self.server.shelf.stats.expired += 1
+            self.context.shelf.stats.expired += 1
         self.closed = True
         await self._end_session()
         self.detached = False
-        self.server.connections.discard(self)
+        self.context.connections.discard(self)
 
     async def _resume(self, message: dict) -> None:
         """`session.resume`: take a detached session back onto this socket (or, with
@@ -76,8 +76,8 @@ class SessionResumption:
         if self.runner is not None:
             raise ProtocolError("session_exists", "session.resume while a session runs",
                                 message.get("id"))
-        shelf = self.server.shelf
-        await self.server.restore_saved(message["handle"])  # saved by a previous process
+        shelf = self.context.shelf
+        await self.context.restore_saved(message["handle"])  # saved by a previous process
         try:
             target, since, away = shelf.claim(message["handle"], self.ws.principal)
         except ProtocolError as exc:
@@ -107,7 +107,7 @@ class SessionResumption:
         finished while it was away, with a new resume handle."""
         self.ws, self.detached, self.closed = ws, False, False
         self.media_times.clear()
-        self.resume_handle, self.resume_key = self.server.shelf.issue(self, ws.principal,
+        self.resume_handle, self.resume_key = self.context.shelf.issue(self, ws.principal,
                                                                       self.resume_key)
         held = len(self.outbox)
         gap = {"start": since, "end": since + away, "seconds": away,
@@ -123,18 +123,18 @@ class SessionResumption:
                      delivered=held)
 
     @classmethod
-    def restored(cls, server: StreamgrokServer, saved: SavedSession) -> ClientConnection:
+    def restored(cls, context: SessionContext, saved: SavedSession) -> ClientConnection:
         """A session saved by the previous server process, detached and resumable under its
         saved handle."""
-        connection = cls(server, None)
+        connection = cls(context, None)
         connection.open_session(saved.options, saved=saved)
         connection.tasks.append(asyncio.create_task(connection._stats_loop()))
         connection.detached = True
         connection.resume_key = saved.key
         connection.stream_time_at_detach = saved.stream_time
         connection.outbox.extend(saved.held)
-        server.shelf.adopt(saved.key, saved.owner, connection, saved.detached_wall)
-        server.connections.add(connection)
+        context.shelf.adopt(saved.key, saved.owner, connection, saved.detached_wall)
+        context.connections.add(connection)
         return connection
 
     async def save(self, store: SessionStore, wait_s: float = 30.0) -> bool:
@@ -144,7 +144,7 @@ class SessionResumption:
         if self.runner is None or self.resume_key is None:
             return False
         self.frozen = True
-        shelf = self.server.shelf
+        shelf = self.context.shelf
         detached_wall = next((e.detached_wall for e in shelf.detached()
                               if e.connection is self), None)
         try:
@@ -171,4 +171,4 @@ class SessionResumption:
         when the server keeps no session after a disconnect)."""
         if self.resume_handle is None:
             return None
-        return {"handle": self.resume_handle, "ttl_s": self.server.shelf.ttl_s}
+        return {"handle": self.resume_handle, "ttl_s": self.context.shelf.ttl_s}
