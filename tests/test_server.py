@@ -369,8 +369,9 @@ async def test_pushed_container_stream_is_decoded_in_its_own_process(server, web
             await ws.send(pack_media("video.chunk", 0, 0.0, webm_clip[i : i + 16_384]))
         note, seen = await recv_until(ws, "event")
         assert note["kind"] == "note" and not [m for m in seen if m["type"] == "error"]
-        (connection,) = [c for c in server.connections if c.container is not None]
-        worker = connection.container.process
+        (connection,) = [c for c in server.connections
+                         if c.live is not None and c.live.container is not None]
+        worker = connection.live.container.process
         assert worker.pid != __import__("os").getpid() and worker.returncode is None
         worker.kill()  # as a crash inside FFmpeg would end it
         error, _ = await recv_until(ws, "error")

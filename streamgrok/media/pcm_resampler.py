@@ -13,14 +13,19 @@ MIN_RATE = 8_000
 MAX_RATE = 192_000
 
 
+def checked_rate(rate: object) -> int:
+    """`rate` when it is a sample rate pushed audio may have, else ValueError saying why."""
+    if not isinstance(rate, int) or isinstance(rate, bool) or not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(f"audio sample rate must be an integer from {MIN_RATE} to "
+                         f"{MAX_RATE} Hz, got {rate!r}")
+    return rate
+
+
 class PcmResampler:
     """PCM16 mono chunks at `rate` Hz in, `AudioChunk`s at 16 kHz out, timed on one clock."""
 
     def __init__(self, rate: int) -> None:
-        if not isinstance(rate, int) or not MIN_RATE <= rate <= MAX_RATE:
-            raise ValueError(f"audio sample rate must be an integer from {MIN_RATE} to "
-                             f"{MAX_RATE} Hz, got {rate!r}")
-        self.rate = rate
+        self.rate = checked_rate(rate)
         self._resampler = None if rate == AUDIO_RATE else \
             av.AudioResampler(format="flt", layout="mono", rate=AUDIO_RATE)
         self._samples_in = 0  # input samples so far: the clock of the next chunk

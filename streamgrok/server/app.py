@@ -304,8 +304,8 @@ class StreamgrokServer:
                                snapshot.decode_seconds - decoding)
             decoded, decoding = snapshot.decode_tokens, snapshot.decode_seconds
             drops = self.drops()
-            frames = self.closed_frames + sum(c.frame_index for c in self.connections
-                                              if c.runner is not None)
+            frames = self.closed_frames + sum(c.live.frame_index for c in self.connections
+                                              if c.live is not None)
             new_stale = drops.get("frames_stale", 0) - stale
             new_frames = frames - received
             received, stale = frames, drops.get("frames_stale", 0)

@@ -6,15 +6,10 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 from streamgrok.errors import RequestTooLarge, StreamgrokError
-from streamgrok.media.container_process import ContainerProcess
-from streamgrok.media.decode import AUDIO_RATE, container_kind
-from streamgrok.media.items import AudioChunk, VideoFrame
-from streamgrok.media.native_pool import MediaWorkerError
-from streamgrok.media.pcm_resampler import PcmResampler
+from streamgrok.media.pcm_resampler import checked_rate
 from streamgrok.pipeline.events import (
     DeltaEvent,
     DoneEvent,
@@ -25,108 +20,37 @@ from streamgrok.pipeline.events import (
     QuestionEvent,
 )
 from streamgrok.pipeline.options import OptionError
-from streamgrok.pipeline.pipeline import PipelineRunner
-from streamgrok.server.asgi_socket import AsgiSocket, ClientGone
+from streamgrok.server.asgi_socket import AsgiSocket
+from streamgrok.server.live_session import answer_query_id
 from streamgrok.server.media_lane import MediaLane
 from streamgrok.server.protocol import ProtocolError, event, parse_binary, parse_text
-from streamgrok.server.resumable import SessionResumption
+from streamgrok.server.session_connection import SessionConnection
 from streamgrok.server.session_context import SessionContext
-from streamgrok.server.session_store import SavedSession
 
 log = logging.getLogger(__name__)
-ESSENTIAL = {"response.done", "error", "session.started", "session.ended"}
 BACKLOGGED_WAIT_S = 0.05  # an input.text's wait for room while its connection is backlogged
 TEXT_RETRY_MS = 500  # what a `text_backlog` refusal suggests
 
 
-class ClientConnection(SessionResumption):
-    """Owns one client's session; bad input gets an `error` event, never a crash.
-
-    The session outlives a dropped socket when the server allows resumption: it waits,
-    detached, until a `session.resume` with its handle attaches another socket, or its time
-    runs out."""
-
-    resumable = True  # protocol v1 sessions can be resumed
+class ClientConnection(SessionConnection):
+    """A protocol v1 client (docs/PROTOCOL.md): JSON control messages and binary media
+    messages drive its live session; the session's events come back as v1 messages. Its
+    media messages wait in their own lane (`MediaLane`), so control is handled at once, under
+    a per-second limit."""
 
     def __init__(self, context: SessionContext, ws: AsgiSocket | None) -> None:
-        self.context = context  # what this connection may use of the server
-        self.ws = ws
-        self.config = context.config
-        self.runner: PipelineRunner | None = None
-        self.video_in = self.audio_in = None
-        self.container: ContainerProcess | None = None  # a pushed video.chunk stream
-        self.tasks: list[asyncio.Task] = []
-        self.answers: dict[Any, Any] = {}  # client query id -> Answer, while in flight
-        self.queries_asked = 0
-        self.frame_index = 0
+        super().__init__(context, ws)
         self.media_times: deque[float] = deque()
         self.media_lane = MediaLane(self.config.media_lane)  # media apart from control
-        self.audio_resampler = PcmResampler(AUDIO_RATE)  # `audio.format` sets another rate
         self.rate_limited = 0  # media messages dropped over the per-second limit
         self.text_backlogged = False  # the last input.text found no room in time
         self.rate_limit_reported = float("-inf")
-        self.listeners: dict[Any, Callable[[PipelineEvent], None]] = {}  # query id -> HTTP
-        self.outbox: deque[tuple[str, str]] = deque()
-        self.outbox_ready = asyncio.Event()
-        self.dropped_outbound = 0
-        self.closed = False
-        # resumption: the session's handle, whether its client is away, and the socket
-        # that a `session.resume` hands over to the session it names
-        self.resume_handle: str | None = None  # given to the client; the server keeps the key
-        self.resume_key: str | None = None
-        self.detached = False
-        self.stream_time_at_detach = 0.0
-        self.parking: asyncio.Future | None = None
-        self.handover: ClientConnection | None = None
-        self.options: dict | None = None  # the client's session options (saved with it)
-        self.frozen = False  # being saved for a restart: the client's messages are ignored
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    async def serve(self) -> None:
-        """Serve this websocket until the client leaves. A session whose client drops is
-        kept for resumption when the server allows it (`detached`); one resumed on this
-        socket by `session.resume` is served here from then on."""
-        successor = await self._serve_socket()
-        while successor is not None:  # a detached session resumed on this socket
-            successor, resumed = None, successor
-            self.context.connections.add(resumed)
-            try:
-                successor = await resumed._serve_socket()
-            finally:
-                if not resumed.detached:
-                    self.context.connections.discard(resumed)
-
-    async def _serve_socket(self) -> ClientConnection | None:
-        """Read this socket's messages; returns the detached session a `session.resume`
-        handed this socket to, if any."""
-        writer = asyncio.create_task(self._writer())
-        media = asyncio.create_task(self._media_loop())
-        idle = False
-        try:
-            while self.handover is None:
-                try:
-                    raw = await asyncio.wait_for(self.ws.recv(), self.config.idle_timeout_s)
-                except TimeoutError:
-                    idle = True
-                    await self.ws.close(1000, "idle timeout")
-                    return None
-                await self._handle_safely(raw)
-        except ClientGone:
-            pass
-        finally:
-            media.cancel()
-            if self.handover is None and not idle and self._resumable():
-                writer.cancel()
-                await self._detach()
-            elif self.handover is None:
-                self.closed = True
-                await self._end_session()
-                writer.cancel()
-            else:
-                writer.cancel()
-        successor, self.handover = self.handover, None
-        return successor
+    def _side_task(self) -> asyncio.Task:
+        """The media lane's loop, while the socket lives."""
+        return asyncio.create_task(self._media_loop())
 
     def session_description(self) -> dict:
         """What `session.started` and `session.resumed` say of the session."""
@@ -134,33 +58,6 @@ class ClientConnection(SessionResumption):
                 "model": self.context.model_file, "vision": self.runner.vision_path(),
                 "answers": self.runner.answer_context(), "replica": self.context.replica,
                 "context": self.runner.session.context_policy(), "resume": self.resume_info()}
-
-    def oldest_wait(self, now: float) -> float:
-        """How long the oldest question of this client has waited for its first token."""
-        waits = [now - a.metrics.asked_at for a in self.answers.values()
-                 if not a.finished and a.metrics.first_token_at is None]
-        return max(waits, default=0.0)
-
-    def answers_in_flight(self) -> int:
-        return sum(1 for answer in self.answers.values() if not answer.finished)
-
-    async def shutdown(self, reason: str, flush_s: float = 2.0, saved: bool = False) -> None:
-        """End the session for a server shutdown: `session.ended`, then close 1001; a
-        session `saved` for the next process closes 1012 (service restart) instead, without
-        `session.ended`: its client resumes it there."""
-        if self.detached or self.ws is None:
-            await self.expire("shutdown")
-            return
-        await self._end_session()
-        if not saved:
-            self.send("session.ended", reason=reason)
-        deadline = time.monotonic() + flush_s
-        while self.outbox and time.monotonic() < deadline and not self.closed:
-            await asyncio.sleep(0.01)
-        if saved:
-            await self.ws.close(1012, "server restarting: resume with your handle")
-        else:
-            await self.ws.close(1001, reason)
 
     async def _handle_safely(self, raw: str | bytes) -> None:
         message_id = None
@@ -208,9 +105,11 @@ class ClientConnection(SessionResumption):
             return
         if kind == "audio.format":  # the rate of the audio.pcm16 messages that follow
             try:
-                self.audio_resampler = PcmResampler(message["rate"])
+                self.audio_rate = checked_rate(message["rate"])
             except ValueError as exc:
                 raise ProtocolError("bad_audio", str(exc), message.get("id")) from exc
+            if self.live is not None:
+                self.live.set_audio_rate(self.audio_rate)
             return
         if self.runner is None:
             raise ProtocolError("no_session", f"{kind} before session.start", message.get("id"))
@@ -245,51 +144,11 @@ class ClientConnection(SessionResumption):
             except ValueError as exc:
                 await self._end_session()
                 raise ProtocolError("bad_field", str(exc), message.get("id")) from None
-        self.tasks.append(asyncio.create_task(self._stats_loop()))
+        self.live.tasks.append(asyncio.create_task(self._stats_loop()))
         if self.resumable and self.context.shelf.enabled:
             self.resume_handle, self.resume_key = self.context.shelf.issue(self,
                                                                           self.ws.principal)
         self.send("session.started", id=message.get("id"), **self.session_description())
-
-    def open_session(self, options: dict | None, message_id: Any = None,
-                     saved: SavedSession | None = None) -> None:
-        """Start this client's pipeline on a new engine session, or on one restored from
-        `saved` (refused `busy` when the server has no room; nothing is kept when the
-        pipeline refuses to start)."""
-        if saved is None:
-            refused = self.context.admission()
-            if refused is not None:
-                retry = {} if refused.retry_after_s is None else {
-                    "retry_after_ms": round(refused.retry_after_s * 1000)}
-                raise ProtocolError("busy", str(refused), message_id, **retry)
-        pipeline = self.context.session_pipeline(options)
-        runner = PipelineRunner(pipeline, self.context.engine, [_Sink(self.deliver)],
-                                resources=self.context.resources)
-        session = None
-        if saved is not None:
-            session = self.context.engine.restore_session(runner.system_prompt(),
-                                                         saved.snapshot)
-        runner.start(session)  # may refuse (a system prompt over the KV budget): nothing kept
-        if saved is not None:
-            runner.restore_state(saved.pipeline_state)
-        self.runner, self.options = runner, options
-        self.context.session_opened()
-        self.video_in, self.audio_in = self.runner.ingest.open_inputs()
-        items = self.runner.ingest.process(self.video_in, self.audio_in)
-        running = asyncio.create_task(self.runner.run_items(items))
-        running.add_done_callback(self._pipeline_ended)
-        self.tasks.append(running)
-        log.info("session %s started (%s, pipeline %s)", runner.session.id,
-                 type(self).__name__, pipeline.name,
-                 extra={"event": "session.started", "session": runner.session.id})
-
-    def _pipeline_ended(self, task: asyncio.Task) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        error = task.exception()
-        log.error("pipeline of a client session failed", exc_info=error)
-        self.error("pipeline_failed", f"the session's pipeline stopped: "
-                   f"{type(error).__name__}: {error}")
 
     async def _search_frames(self, message: dict) -> None:
         self._check_text_size(message)
@@ -304,33 +163,6 @@ class ClientConnection(SessionResumption):
     async def _query(self, message: dict) -> None:
         self._check_text_size(message)
         self.ask(message["text"], message.get("id"))
-
-    def ask(self, text: str, query_id: Any = None,
-            listener: Callable[[PipelineEvent], None] | None = None,
-            max_tokens: int | None = None) -> Any:
-        """Ask this session's pipeline (grounded in what it saw and heard); the answer streams
-        to the client and, when given, to `listener` too (an HTTP request about this live
-        session). Returns the query id; raises `ProtocolError` when refused."""
-        if self.runner is None:
-            raise ProtocolError("no_session", "the session has ended", query_id)
-        self.answers = {q: a for q, a in self.answers.items() if not a.finished}
-        if len(self.answers) >= self.config.max_inflight_queries:
-            raise ProtocolError("too_many_queries",
-                                f"{len(self.answers)} queries in flight (max "
-                                f"{self.config.max_inflight_queries})", query_id)
-        limit = self.runner.pipeline.sampling.max_tokens
-        max_tokens = self.context.answer_length(min(max_tokens or limit, limit))
-        self.queries_asked += 1
-        query_id = query_id or f"q{self.queries_asked}"
-        if listener is not None:
-            self.listeners[query_id] = listener
-        try:
-            self.answers[query_id] = self.runner.ask(text, query_id=query_id,
-                                                     max_tokens=max_tokens)
-        except Exception:
-            self.listeners.pop(query_id, None)
-            raise
-        return query_id
 
     async def _add_text(self, message: dict) -> None:
         """Queue a client's text, waiting for room in the session's text queue at most
@@ -385,53 +217,15 @@ class ClientConnection(SessionResumption):
                 self._report(exc, None)
 
     async def _handle_media(self, media) -> None:
-        if self.runner is None:  # the session ended while the message waited
+        live = self.live
+        if live is None:  # the session ended while the message waited
             return
         if media.kind == "video.frame":
-            pool = self.context.resources.media_pool
-            try:
-                image = await asyncio.to_thread(pool.decode_image, media.payload)
-            except ValueError as exc:
-                raise ProtocolError("bad_image", str(exc)) from exc
-            except MediaWorkerError as exc:
-                raise ProtocolError("bad_media", str(exc)) from exc
-            if self.runner is None:  # the session ended while the frame was decoded
-                return
-            frame = VideoFrame(image, media.timestamp, self.frame_index)
-            self.frame_index += 1
-            await self.video_in.put(frame)  # live: drops the oldest (counted by the ingest)
+            await live.push_jpeg(media.payload, media.timestamp)
         elif media.kind == "audio.pcm16":
-            try:
-                chunk: AudioChunk = self.audio_resampler.push(media.payload, media.timestamp)
-            except ValueError as exc:
-                raise ProtocolError("bad_audio", str(exc)) from exc
-            await self.audio_in.put(chunk)
+            await live.push_pcm(media.payload, media.timestamp)
         else:
-            await self._feed_container(media.payload)
-
-    async def _feed_container(self, payload: bytes) -> None:
-        """Pushed container bytes go to this session's decoder process (started by the
-        stream's first chunk, which must carry an MP4 or WebM header)."""
-        if self.container is None:
-            if container_kind(payload) is None:
-                raise ProtocolError("bad_media", "a video.chunk stream must start with a "
-                                    "fragmented MP4 (ftyp/styp/moof box) or WebM header; "
-                                    "this chunk was dropped")
-            container = self.container = ContainerProcess(live=self.runner.pipeline.ingest.live)
-            await container.start()
-            decoding = asyncio.create_task(container.run_into(self.video_in, self.audio_in))
-            decoding.add_done_callback(lambda _: self._container_ended(container))
-            self.tasks.append(decoding)
-        try:
-            await self.container.feed(payload)
-        except ValueError as exc:
-            raise ProtocolError("bad_media", str(exc)) from exc
-
-    def _container_ended(self, container: ContainerProcess) -> None:
-        """A pushed stream ended (or its decoder died): the next chunk starts a new one."""
-        if self.container is container:
-            self.container = None
-            asyncio.ensure_future(container.stop())
+            await live.push_container(media.payload)
 
     # -- events out ------------------------------------------------------------------------
 
@@ -450,13 +244,13 @@ class ClientConnection(SessionResumption):
             case QuestionEvent():
                 pass  # the client knows what it asked
             case DeltaEvent():
-                self.send("response.delta", query_id=_query_id(item), delta=item.text)
+                self.send("response.delta", query_id=answer_query_id(item), delta=item.text)
             case DoneEvent():
-                self.record_answer(item)
-                self.send("response.done", query_id=_query_id(item), text=item.text,
+                self.record_answer(item.metrics)
+                self.send("response.done", query_id=answer_query_id(item), text=item.text,
                           **item.metrics)
             case ErrorEvent(answer_id=int()):  # that answer failed, nothing else
-                query_id = _query_id(item)
+                query_id = answer_query_id(item)
                 self.error("answer_failed", item.text, query_id, query_id=query_id)
                 self.send("response.done", query_id=query_id, text="", finish_reason="error")
             case ErrorEvent():
@@ -466,48 +260,6 @@ class ClientConnection(SessionResumption):
                 self.send("event", kind="note", text=item.text, t=item.pts, tags=item.tags)
             case Event():
                 self.send("event", kind=item.kind, text=item.text, t=item.pts, **item.data)
-
-    def to_listener(self, item: PipelineEvent) -> None:
-        """An answer's events also go to the listener that asked it (HTTP, Realtime)."""
-        if isinstance(item, DeltaEvent | DoneEvent | ErrorEvent) and item.answer_id is not None:
-            listener = self.listeners.get(_query_id(item))
-            if listener is not None:
-                if not isinstance(item, DeltaEvent):
-                    del self.listeners[_query_id(item)]
-                listener(item)
-
-    def record_answer(self, item: DoneEvent) -> None:
-        """A finished answer's latency and tokens go to the metrics and the load governor."""
-        self.context.metrics.observe_answer(item.metrics)
-        if item.metrics.get("ttft_ms") is not None:
-            self.context.governor.record_ttft(item.metrics["ttft_ms"] / 1e3)
-
-    def _queue(self, kind: str, text: str) -> None:
-        if self.closed:
-            return
-        if self.detached and kind in self.SUPERSEDED_WHILE_AWAY:
-            return  # not kept: response.done carries the whole text, stats come anew
-        if len(self.outbox) >= self.config.outbound_queue:
-            self.dropped_outbound += 1
-            self.context.metrics.outbound_dropped.inc()
-            victim = next((i for i, (k, _) in enumerate(self.outbox) if k not in ESSENTIAL),
-                          None)
-            if victim is None:  # every queued message is essential: drop this one
-                return
-            del self.outbox[victim]
-        self.outbox.append((kind, text))
-        self.outbox_ready.set()
-
-    async def _writer(self) -> None:
-        while True:
-            while not self.outbox:
-                self.outbox_ready.clear()
-                await self.outbox_ready.wait()
-            _, text = self.outbox.popleft()
-            try:
-                await self.ws.send(text)
-            except ClientGone:
-                return
 
     def error(self, code: str, message: str, message_id: Any = None, **fields: Any) -> None:
         self.context.metrics.errors.labels(code).inc()
@@ -523,7 +275,7 @@ class ClientConnection(SessionResumption):
         """The `stats` message: engine snapshot, this session's cache contents, drops."""
         engine = self.context.engine
         snap = engine.snapshot()
-        runner = self.runner
+        runner, live = self.runner, self.live
         info = await runner.session.cache_info() if runner else {}
         drops = self.drops()
         return {
@@ -536,79 +288,26 @@ class ClientConnection(SessionResumption):
             "retained": info.get("retained", []),
             "drops": {"frames": sum(v for k, v in drops.items() if k.startswith("frames_")),
                       **drops},
-            "frames": self.frame_counts(),
-            "load": self.load_info(),
+            "frames": live.frame_counts() if live else {},
+            "load": live.load_info() if live else {},
             "speech": self.context.resources.speech_stats(),
             "stream_time": runner.stats.stream_time if runner else 0.0,
             "latency": {"step_ms_p50": snap.step_ms_p50, "step_ms_p95": snap.step_ms_p95},
             "resume": self.resume_info(),
         }
 
-    def drops(self, runner: PipelineRunner | None = None) -> dict[str, int]:
-        """Everything this session (or `runner`'s) dropped so far, by reason (see
-        docs/PROTOCOL.md)."""
-        runner = runner or self.runner
-        ingest = runner.ingest.stats if runner and runner.ingest else None
-        engine = runner.session.dropped if runner and runner.session else {}
-        return {
-            "frames_duplicate": ingest.drops()["duplicate"] if ingest else 0,
-            "frames_queue": ingest.queue_dropped if ingest else 0,
-            "frames_stale": (ingest.stale_dropped if ingest else 0) + engine.get("stale", 0),
-            "frames_full": engine.get("full", 0),
-            "rate_limited": self.rate_limited,
-            "frames_backlog": self.media_lane.dropped_frames,
-            "notes_superseded": engine.get("superseded", 0),
-            "outbound": self.dropped_outbound,
-        }
+    def connection_drops(self) -> dict[str, int]:
+        """What this connection dropped: media over the per-second limit, media its lane had
+        no room for, messages its outbox had no room for."""
+        return {"rate_limited": self.rate_limited,
+                "frames_backlog": self.media_lane.dropped_frames,
+                "outbound": self.dropped_outbound}
 
-    def frame_counts(self) -> dict[str, int]:
-        """Frames received from the client, sampled, and processed (observed / encoded)."""
-        runner = self.runner
-        ingest = runner.ingest.stats if runner and runner.ingest else None
-        if ingest is None:
-            return {"received": self.frame_index, "sampled": 0, "processed": 0}
-        return {"received": self.frame_index, "sampled": ingest.sampled_frames,
-                "processed": max(0, ingest.kept_frames - ingest.stale_dropped)}
+    def reset_counters(self) -> None:
+        self.rate_limited = self.dropped_outbound = 0
 
-    def load_info(self) -> dict:
-        """The sampling rate this session gets now, and whether the server degraded it."""
-        degradation = self.context.resources.degradation
-        runner = self.runner
-        requested = runner.pipeline.ingest.fps if runner else 0.0
-        return {"requested_fps": requested, "fps": requested * degradation.fps_scale,
-                "degraded": degradation.degraded, "reason": degradation.reason}
-
-    async def _end_session(self) -> None:
-        if self.runner is None:
-            return
-        runner, self.runner = self.runner, None
-        self.context.shelf.forget(self.resume_key)
-        self.resume_handle = self.resume_key = None
-        if self.parking is not None:
-            self.parking.cancel()
-        drops = self.drops(runner)
-        log.info("session %s ended: %d frames received, %d answers, drops %s",
-                 runner.session.id, self.frame_index, self.queries_asked,
-                 {k: v for k, v in drops.items() if v},
-                 extra={"event": "session.ended", "session": runner.session.id})
-        for query_id, listener in list(self.listeners.items()):
-            listener(ErrorEvent("the live session ended", runner.stats.stream_time,
-                                stage="answer", answer_id=0, query_id=query_id))
-        self.listeners.clear()
-        # its drops and frames move to the server's totals at once; a next session starts at 0
-        self.context.session_closed(drops, self.frame_index)
-        self.rate_limited = self.dropped_outbound = self.frame_index = 0
-        if self.container is not None:
-            await self.container.stop()
-        self.video_in.close()
-        self.audio_in.close()
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.tasks.clear()
-        if runner.session is not None and not runner.session.closed:
-            await runner.session.close()
-
+    def reset_rate_window(self) -> None:
+        self.media_times.clear()
 
 def _context_field(message: dict) -> dict | None:
     """`session.start`'s optional `context` ({target_tokens, trigger_tokens}, integers)."""
@@ -624,13 +323,3 @@ def _context_field(message: dict) -> dict | None:
                                 message.get("id"))
     return context
 
-
-def _query_id(event: DeltaEvent | DoneEvent | ErrorEvent) -> Any:
-    return event.query_id if event.query_id is not None else f"auto-{event.answer_id}"
-
-
-class _Sink:
-    """Adapts ClientConnection.deliver to the pipeline's sink interface."""
-
-    def __init__(self, deliver) -> None:
-        self.send = deliver

@@ -23,12 +23,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from streamgrok.errors import RequestTooLarge, StreamgrokError
-from streamgrok.media.items import VideoFrame
 from streamgrok.media.native_pool import MediaWorkerError
-from streamgrok.media.pcm_resampler import PcmResampler
 from streamgrok.pipeline.events import ErrorEvent, NoteEvent, PipelineEvent
 from streamgrok.server.answer_stream import LiveAnswer
-from streamgrok.server.connection import ClientConnection
 from streamgrok.server.image_notes import ImageError, image_bytes
 from streamgrok.server.openai_schema import ApiError, usage
 from streamgrok.server.protocol import ProtocolError, strict_json_object
@@ -40,6 +37,7 @@ from streamgrok.server.realtime_events import (
     status_of,
     user_item,
 )
+from streamgrok.server.session_connection import SessionConnection
 
 if TYPE_CHECKING:
     from streamgrok.server.asgi_socket import AsgiSocket
@@ -58,7 +56,7 @@ HANDLERS = {
 SPEECH_WAIT_S = 15.0  # response.create after audio: how long to wait for its transcript
 
 
-class RealtimeConnection(ClientConnection):
+class RealtimeConnection(SessionConnection):
     """One Realtime client: a live pipeline session (observers, speech, the KV cache) that
     speaks the Realtime events instead of protocol v1.
 
@@ -75,7 +73,7 @@ class RealtimeConnection(ClientConnection):
 
     def __init__(self, context: SessionContext, ws: AsgiSocket) -> None:
         super().__init__(context, ws)
-        self.audio_resampler = PcmResampler(DEFAULT_INPUT_RATE)
+        self.audio_rate = DEFAULT_INPUT_RATE
         self._event_ids = itertools.count(1)
         self._item_ids = itertools.count(1)
         self._response_ids = itertools.count(1)
@@ -140,7 +138,7 @@ class RealtimeConnection(ClientConnection):
 
     def _session(self) -> dict:
         return session_object(self.session_name, self.context.model_name, self.instructions,
-                              self.audio_resampler.rate, self.max_output_tokens)
+                              self.audio_rate, self.max_output_tokens)
 
     # -- events out ------------------------------------------------------------------------
 
@@ -216,7 +214,8 @@ class RealtimeConnection(ClientConnection):
         if audio_format is not None:
             if not isinstance(audio_format, dict) or audio_format.get("type") != "audio/pcm":
                 raise ProtocolError("unsupported", "input audio must be audio/pcm (PCM16 mono)")
-            self.audio_resampler = PcmResampler(audio_format.get("rate", DEFAULT_INPUT_RATE))
+            self.live.set_audio_rate(audio_format.get("rate", DEFAULT_INPUT_RATE))
+            self.audio_rate = self.live.audio_resampler.rate
         if "max_output_tokens" in session:
             limit = session["max_output_tokens"]
             ceiling = self.runner.pipeline.sampling.max_tokens
@@ -237,10 +236,10 @@ class RealtimeConnection(ClientConnection):
 
     async def _audio_append(self, message: dict) -> None:
         data = _base64(_field(message, "audio", str), "audio")
-        chunk = self.audio_resampler.push(data)
+        chunk = self.live.audio_resampler.push(data)
         if self.audio_item is None:
             self.audio_item = self._new_item_id()
-        await self.audio_in.put(chunk)
+        await self.live.audio_in.put(chunk)
 
     async def _audio_commit(self, message: dict) -> None:
         if self.audio_item is None:
@@ -274,7 +273,7 @@ class RealtimeConnection(ClientConnection):
             elif kind == "input_image" and role == "user":
                 await self._push_image(part.get("image_url"), index)
             elif kind == "input_audio" and role == "user":
-                await self.audio_in.put(self.audio_resampler.push(
+                await self.live.audio_in.put(self.live.audio_resampler.push(
                     _base64(part.get("audio"), "audio")))
                 self.audio_waiting = True
             else:
@@ -304,9 +303,7 @@ class RealtimeConnection(ClientConnection):
                                             data)
         except (ImageError, ValueError, MediaWorkerError) as exc:
             raise ProtocolError("bad_image", str(exc)) from None
-        pts = time.monotonic() - self.started_at
-        await self.video_in.put(VideoFrame(image, pts, self.frame_index, scene_cut=True))
-        self.frame_index += 1
+        await self.live.push_image(image, time.monotonic() - self.started_at, scene_cut=True)
 
     async def _response_create(self, message: dict) -> None:
         if self.response is not None and not self.response.done():

@@ -106,7 +106,7 @@ class SessionResumption:
         """Serve this (detached) session on `ws` again: `session.resumed` first, then what
         finished while it was away, with a new resume handle."""
         self.ws, self.detached, self.closed = ws, False, False
-        self.media_times.clear()
+        self.reset_rate_window()
         self.resume_handle, self.resume_key = self.context.shelf.issue(self, ws.principal,
                                                                       self.resume_key)
         held = len(self.outbox)
@@ -128,7 +128,7 @@ class SessionResumption:
         saved handle."""
         connection = cls(context, None)
         connection.open_session(saved.options, saved=saved)
-        connection.tasks.append(asyncio.create_task(connection._stats_loop()))
+        connection.live.tasks.append(asyncio.create_task(connection._stats_loop()))
         connection.detached = True
         connection.resume_key = saved.key
         connection.stream_time_at_detach = saved.stream_time
