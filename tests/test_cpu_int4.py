@@ -110,9 +110,12 @@ def test_an_int4_layer_multiplies_natively_once_built(native_int4):
     assert not reference.int4_matmul.serves(x)  # off unless a model's loader turns it on
     got, want = fast(x), reference(x)
     exact = int4_linear_reference(x, fast.packed, fast.scales_and_zeros)
-    assert ((got.double() - exact.double()).abs() <= level_error_bound(x, fast)).all()
-    # PyTorch's kernel rounds activations to bfloat16: the native products are closer
-    assert (got - exact).abs().max() < (want - exact).abs().max()
+    bound = level_error_bound(x, fast)
+    assert ((got.double() - exact.double()).abs() <= bound).all()
+    # and PyTorch's kernel gives the same products, up to that bound and its own rounding
+    # (on some CPUs it rounds activations to bfloat16; on others it is exact)
+    assert ((got.double() - want.double()).abs()
+            <= bound + (want.double() - exact.double()).abs()).all()
 
 
 def test_a_q4_model_shares_one_native_switch(monkeypatch):
