@@ -4,6 +4,7 @@ pipelines, license, typing marker, the console script)."""
 from __future__ import annotations
 
 import email
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,8 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # built from a copy without the checkout's build outputs: setuptools would otherwise
+    # reuse build/lib, and a module missing from pyproject's list would still ship
+    source = tmp_path_factory.mktemp("source") / "streamgrok"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".hypothesis", "test-artifacts"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", str(ROOT), "-w", str(out)], check=True,
+                    "--no-build-isolation", str(source), "-w", str(out)], check=True,
                    capture_output=True, timeout=600)
     return next(out.glob("streamgrok-*.whl"))
 
@@ -39,6 +45,8 @@ def test_the_wheel_carries_the_page_the_pipelines_and_the_metadata(wheel):
     assert not any(n.startswith("kernels/") for n in names)  # not another project's name
     assert not any(n.startswith("benchmarks/") for n in names)  # research harnesses stay home
     assert "streamgrok/bench/live.py" in names  # the load generators users run ship
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "streamgrok").rglob("*.py")}
+    assert modules - names == set(), "packages missing from pyproject's list"
     assert any(n.endswith("licenses/LICENSE") for n in names)
     assert metadata["License-Expression"] == "Apache-2.0"
     requires = metadata.get_all("Requires-Dist")
