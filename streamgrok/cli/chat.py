@@ -31,9 +31,17 @@ def add_chat_command(commands) -> None:
 def cmd_chat(args: argparse.Namespace) -> int:
     from streamgrok.model.compiled_decode import CompiledDecode
     from streamgrok.model.generate import Generator, kv_cache_dtype
+    from streamgrok.model.quantized import Int4Linear, wait_native_int4
     from streamgrok.model.sampling import SamplingParams
 
     loaded = load_from_args(args)
+    # an int4 model answers once its native kernels are ready: the first run on a CPU builds
+    # them, and answers generated while that build finished came out wrong on an AVX2 CPU
+    if not wait_native_int4(loaded.model, timeout=1.0) and any(
+            isinstance(m, Int4Linear) and m.unpacks for m in loaded.model.modules()):
+        print("preparing the native int4 kernels for this CPU (the first run builds them: a "
+              "few minutes on two cores)...", file=sys.stderr, flush=True)
+        wait_native_int4(loaded.model)
     if args.question:  # one answer: a decode compilation (seconds) would not pay for itself
         loaded.model.compiled_decode = CompiledDecode(enabled=False)
     generator = Generator(loaded, kv_dtype=None if args.kv_dtype == "auto" else

@@ -98,11 +98,15 @@ class NativeMediaPool:
     """Up to `workers` media processes, started on first use and replaced when they die."""
 
     def __init__(self, workers: int = 2, timeout_s: float = 10.0,
-                 limits: ImageLimits | None = None) -> None:
+                 limits: ImageLimits | None = None, ocr_timeout_s: float = 5.0) -> None:
         if workers < 1:
             raise ValueError("a media pool needs at least one worker")
+        if not 0 < ocr_timeout_s < timeout_s:
+            raise ValueError("a text read's time limit must be positive and under the "
+                             "pool's call time limit")
         self.size = workers
         self.timeout_s = timeout_s
+        self.ocr_timeout_s = ocr_timeout_s  # Tesseract's limit for one read (then "")
         self.limits = limits or ImageLimits()
         self.stats = PoolStats()
         self._idle: queue.Queue[_Worker] = queue.Queue()
@@ -128,7 +132,8 @@ class NativeMediaPool:
         """The confident words on screen in an RGB image (Tesseract, one thread, run by a
         worker), or ""."""
         image = np.ascontiguousarray(image, dtype=np.uint8)
-        header, _ = self._call({"op": "read_text", "shape": list(image.shape)}, image.tobytes())
+        header, _ = self._call({"op": "read_text", "shape": list(image.shape),
+                                "timeout_s": self.ocr_timeout_s}, image.tobytes())
         return str(header["text"])
 
     def crash_one_worker(self) -> None:

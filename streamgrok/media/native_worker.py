@@ -95,12 +95,14 @@ class Detectors:
         self.hog.setSVMDetector(cv2.HOGDescriptor_getDefaultPeopleDetector())
         self.reader = None  # Tesseract, set up at the first text read
 
-    def read_text(self, image: np.ndarray) -> str:
-        """The confident words on screen in an RGB image (`TextReader`), or ""."""
+    def read_text(self, image: np.ndarray, timeout_s: float = 5.0) -> str:
+        """The confident words on screen in an RGB image (`TextReader`), or "" (also when
+        Tesseract takes longer than `timeout_s`)."""
         if self.reader is None:
             from streamgrok.media.text_reader import TextReader
 
             self.reader = TextReader()
+        self.reader.timeout_s = timeout_s
         return self.reader.read(image)
 
     def detect(self, image: np.ndarray, faces: bool, people: bool,
@@ -137,7 +139,10 @@ def handle(request: dict, payload: bytes, detectors: Detectors) -> tuple[dict, b
         return {"faces": found.faces, "people": found.people, "cats": found.cats}, b""
     if op == "read_text":
         image = np.frombuffer(payload, dtype=np.uint8).reshape(request["shape"])
-        return {"text": detectors.read_text(image)}, b""
+        limit = request.get("timeout_s", 5.0)
+        if not isinstance(limit, int | float) or not 0 < limit <= 600:
+            raise ValueError("read_text's timeout_s must be in (0, 600] seconds")
+        return {"text": detectors.read_text(image, float(limit))}, b""
     if op == "abort":  # fault injection for tests: die the way a native crash does
         import os
 
