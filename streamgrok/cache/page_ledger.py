@@ -49,8 +49,7 @@ class PageLedger:
 
     def count(self, seq_id: int, tokens: int) -> None:
         """Count `tokens` more tokens of `seq_id`, whether or not they fit (`over` says)."""
-        self.counts[seq_id] = self.counts.get(seq_id, 0) + tokens
-        self._pages[seq_id] = self.pages_for(seq_id, 0)
+        self._record(seq_id, tokens, self.pages_for(seq_id, tokens))
 
     def take(self, seq_id: int, tokens: int) -> bool:
         """Count `tokens` more tokens of `seq_id` only when they fit the pages left; returns
@@ -58,6 +57,9 @@ class PageLedger:
         pages = self.pages_for(seq_id, tokens)
         if self.needed - sum(self._pages.get(seq_id, [])) + sum(pages) > self.free:
             return False
+        self._record(seq_id, tokens, pages)
+        return True
+
+    def _record(self, seq_id: int, tokens: int, pages: list[int]) -> None:
         self.counts[seq_id] = self.counts.get(seq_id, 0) + tokens
         self._pages[seq_id] = pages
-        return True
