@@ -52,6 +52,9 @@ WIDE_MIN_ROWS = 2
 # rows a weight-only int8 layer multiplies by the native int8 kernel (decode steps) before
 # the bfloat16 copy or the dequantized weight take over
 NATIVE_INT8_MAX_ROWS = 16
+# logits per row an output head recomputes in float32 after a bfloat16 product
+# (`Int8Linear._exact_top`): every candidate a greedy or nucleus choice could plausibly take
+EXACT_TOP = 32
 
 
 @dataclass
@@ -98,7 +101,7 @@ class QuantizedRows:
         many rows, not on the projections' few)."""
         if self.kind == "q8":
             return Int8Linear.from_rows(self, bias, int8_activations, int8_rows,
-                                        int4_matmul if head else None)
+                                        int4_matmul if head else None, head=head)
         return Int4Linear.from_rows(self, bias, int4_matmul)
 
 
@@ -141,14 +144,16 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_rows(cls, rows: QuantizedRows, bias: torch.Tensor | None,
                   int8_activations: bool = False, int8_rows: Int8Rows | None = None,
-                  native_matmul: Int4Matmul | None = None) -> Int8Linear:
+                  native_matmul: Int4Matmul | None = None, head: bool = False) -> Int8Linear:
         """The layer of `rows`; w8a8 layers of one model share `int8_rows` (the native
         activation quantization; None: PyTorch's ops); weight-only layers multiply a few
         rows by the native int8 kernel where `native_matmul` (the model's native matmul
-        switch) serves."""
+        switch) serves. A `head` (the output layer) recomputes the largest logits of each
+        row in float32 wherever it multiplies in bfloat16 (`_exact_top`)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._set(rows, bias, int8_activations, int8_rows, native_matmul)
+        layer.head = head
         return layer
 
     def _set(self, rows: QuantizedRows, bias: torch.Tensor | None,
@@ -167,6 +172,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.out_features, self.in_features = rows.values.shape
         self.register_buffer("wide", None)  # the bfloat16 copy, where kept
+        self.head = False  # whether this is a model's output head (`_exact_top`)
 
     def keep_wide(self) -> None:
         """Also keep the weight dequantized to bfloat16 (twice the int8 bytes) and multiply by
@@ -185,18 +191,35 @@ class Int8Linear(nn.Module):
             out = torch.ops.streamgrok_cpu.int8_linear(flat.float(), self.qweight,
                                                        self.row_scales).to(x.dtype)
         elif self.wide is not None and flat.shape[0] >= WIDE_MIN_ROWS:
-            out = F.linear(flat.to(self.wide.dtype), self.wide).to(x.dtype)
+            out = self._exact_top(flat, F.linear(flat.to(self.wide.dtype), self.wide), x.dtype)
         elif flat.device.type == "cpu" and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
             dtype = prefill_dtype()
-            out = F.linear(flat.to(dtype), self.dequantized(dtype)).to(x.dtype)
+            out = self._exact_top(flat, F.linear(flat.to(dtype), self.dequantized(dtype)),
+                                  x.dtype)
         elif flat.device.type == "cpu":
-            out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.qweight,
-                                                     self.scales).to(x.dtype)
+            out = self._exact_top(flat, torch.ops.aten._weight_int8pack_mm(
+                flat.to(torch.bfloat16), self.qweight, self.scales), x.dtype)
         else:
             out = F.linear(flat, self.dequantized(x.dtype))
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*shape[:-1], self.out_features)
+
+    def _exact_top(self, x: torch.Tensor, out: torch.Tensor, dtype: torch.dtype
+                   ) -> torch.Tensor:
+        """`out` (x W^T) in `dtype`; where this is a head and `out` came out in bfloat16, its
+        EXACT_TOP largest entries per row recomputed from x in float32 (as the native int8
+        kernel computes them). bfloat16 keeps 8 bits: logits near 25 round to steps of
+        0.125, so two candidate tokens tie and greedy decoding picks the lower id, not the
+        likelier one; the tail keeps its rounding, which moves sampling probabilities by a
+        few percent at most."""
+        if not self.head or out.dtype != torch.bfloat16 or dtype == torch.bfloat16:
+            return out.to(dtype)
+        out = out.to(dtype)
+        top = out.topk(min(EXACT_TOP, self.out_features), dim=-1).indices  # [rows, k]
+        rows = self.qweight[top].to(dtype)  # [rows, k, in]
+        exact = torch.bmm(rows, x.to(dtype).unsqueeze(-1)).squeeze(-1)
+        return out.scatter(-1, top, exact * self.scales[top].to(dtype))
 
     def _integer_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T in float32 from int8 x (a scale per row) times int8 W."""
