@@ -104,6 +104,7 @@ def _build_and_register() -> None:
     torch.library.register_fake("streamgrok_cpu::swiglu_quantize_rows", _fake_swiglu)
     torch.library.register_fake("streamgrok_cpu::int4_linear", _fake_int4_linear)
     torch.library.register_fake("streamgrok_cpu::int8_linear", _fake_int8_linear)
+    torch.library.register_fake("streamgrok_cpu::int8_head", _fake_int8_head)
     torch.library.register_fake("streamgrok_cpu::int4_unpack_transposed",
                                 _fake_int4_unpack_transposed)
 
@@ -199,6 +200,11 @@ def _fake_int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: t
 
 def _fake_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
                       portable: bool = False) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _fake_int8_head(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, exact: int,
+                    portable: bool = False) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 

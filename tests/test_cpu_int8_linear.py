@@ -10,6 +10,7 @@ from helpers import random_model, skip_unless_int4_vectorized, tiny_config
 from test_cpu_int4 import activation_rows
 
 from streamgrok.model.quantized import (
+    EXACT_TOP,
     NATIVE_INT8_MAX_ROWS,
     Int8Linear,
     QuantizedRows,
@@ -95,3 +96,53 @@ def test_only_the_output_head_takes_the_native_int8_kernel(monkeypatch, weights)
                    if isinstance(m, Int8Linear) and m is not model.output]
     assert (weights == "q8") == bool(projections)
     assert not any(m.native_matmul.native.enabled for m in projections)
+
+
+def coarse_error_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each activation within half its group's level step (peak / 127), times the weights'
+    magnitudes, plus float32 rounding: the head kernel's products outside the largest."""
+    peaks = x.view(x.shape[0], -1, GROUP).abs().amax(-1, keepdim=True)
+    step_error = (peaks / 127 / 2).expand(-1, -1, GROUP).reshape(x.shape).double()
+    return step_error @ weight.abs().t() * 1.01 + (x.double().abs() @ weight.abs().t()) * 1e-5 \
+        + 1e-6
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "exact"),
+                         [(2, 1000, 576, 32), (3, 130, 96, 8), (2, 20, 64, 32)])
+def test_the_head_kernel_is_float32_in_each_rows_largest_logits(
+        native_int4, rows, out_features, in_features, exact):
+    layer = int8_layer(out_features, in_features, seed=rows + 20)
+    x = activation_rows(rows, in_features, seed=out_features + 1)
+    weight = weight_of(layer)
+    truth = x.double() @ weight.t()
+    kept = min(exact, out_features)
+    for portable in (False, True):
+        got = torch.ops.streamgrok_cpu.int8_head(x, layer.qweight, layer.row_scales, exact,
+                                                 portable)
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        assert ((got.double() - truth).abs() <= coarse_error_bound(x, weight)).all()
+        # the columns recomputed are the coarse products' largest: their top half stays on top
+        top = got.topk(kept if kept == out_features else kept // 2, dim=-1).indices
+        torch.testing.assert_close(got.gather(-1, top).double(), truth.gather(-1, top),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), truth.argmax(-1)), f"portable={portable}"
+        assert torch.equal(got[0], torch.zeros(out_features))  # zero rows give zeros
+    with pytest.raises(RuntimeError, match="exact must be >= 0"):
+        torch.ops.streamgrok_cpu.int8_head(x, layer.qweight, layer.row_scales, -1)
+
+
+def test_an_int8_head_multiplies_natively_by_the_head_kernel(native_int4):
+    skip_unless_int4_vectorized(native_int4.in_use, native_int4.native.error)
+    gen = torch.Generator().manual_seed(12)
+    rows = QuantizedRows.of(torch.randn(4096, 96, generator=gen) * 0.05, "q8")
+    head = Int8Linear.from_rows(rows, None, native_matmul=native_int4, head=True)
+    x = activation_rows(3, 96, seed=13) * 20  # logits of several units, as a model's
+    weight = weight_of(head)
+    truth = x.double() @ weight.t()
+    got = head(x)
+    assert torch.equal(got, torch.ops.streamgrok_cpu.int8_head(x, head.qweight,
+                                                               head.row_scales, EXACT_TOP))
+    top = got.topk(EXACT_TOP // 2, dim=-1).indices
+    torch.testing.assert_close(got.gather(-1, top).double(), truth.gather(-1, top),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), truth.argmax(-1))

@@ -25,6 +25,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
                        bool portable);
 
+// An output head's logits, as int8_linear's but from the activations' coarse levels alone,
+// with each row's `exact` largest recomputed in float32 from x (int8_linear.cpp).
+at::Tensor int8_head(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                     int64_t exact, bool portable);
+
+// Logits per row a decode step's int8 head recomputes in float32 (streamgrok.model.quantized's
+// EXACT_TOP, which the eager head uses).
+constexpr int64_t kHeadExactTop = 32;
+
 // q [B, H, D] float32; keys, values [B, KVH, capacity, D] float32, bfloat16 or int8,
 // contiguous; for int8, key_scales and value_scales [B, KVH, capacity] float16 (a value is
 // int8 * its row's scale); lengths [B] int64 (row b attends to positions < lengths[b],

@@ -165,8 +165,8 @@ at::Tensor run_layers(const at::Tensor& embedded, at::TensorList weights,
 }
 
 // The final norm of the residual stream `x`, times the head when `weights` end with one
-// (int4: packed and scales; int8: int8 rows and float32 scales): logits [B, vocab] float32,
-// else the normed hidden state [B, hidden].
+// (int4: packed and scales; int8: int8 rows and float32 scales, by int8_head): logits
+// [B, vocab] float32, else the normed hidden state [B, hidden].
 inline at::Tensor finish(const at::Tensor& x, at::TensorList weights, int64_t layers,
                          float eps) {
   const at::Tensor* last = weights.data() + kLayerTensors * layers;
@@ -174,7 +174,8 @@ inline at::Tensor finish(const at::Tensor& x, at::TensorList weights, int64_t la
   rms_norm(x.data_ptr<float>(), last[0].data_ptr<float>(), x.size(0), x.size(1), eps,
            h.data_ptr<float>());
   if (static_cast<int64_t>(weights.size()) == kLayerTensors * layers + 1) return h;
-  if (last[1].scalar_type() == at::kChar) return int8_linear(h, last[1], last[2], false);
+  if (last[1].scalar_type() == at::kChar)
+    return int8_head(h, last[1], last[2], kHeadExactTop, false);
   return int4_linear(h, last[1], last[2], false);
 }
 

@@ -53,7 +53,9 @@ WIDE_MIN_ROWS = 2
 # the bfloat16 copy or the dequantized weight take over
 NATIVE_INT8_MAX_ROWS = 16
 # logits per row an output head recomputes in float32 after a bfloat16 product
-# (`Int8Linear._exact_top`): every candidate a greedy or nucleus choice could plausibly take
+# (`Int8Linear._exact_top`) or the native int8 head's coarse one (`int8_head`, whose decode
+# steps use kernels/cpu/native_ops.h's kHeadExactTop, the same number): every candidate a
+# greedy or nucleus choice could plausibly take
 EXACT_TOP = 32
 
 
@@ -149,7 +151,9 @@ class Int8Linear(nn.Module):
         activation quantization; None: PyTorch's ops); weight-only layers multiply a few
         rows by the native int8 kernel where `native_matmul` (the model's native matmul
         switch) serves. A `head` (the output layer) recomputes the largest logits of each
-        row in float32 wherever it multiplies in bfloat16 (`_exact_top`)."""
+        row in float32 wherever it multiplies in bfloat16 (`_exact_top`), and multiplies
+        natively by the int8 head kernel (`int8_head`: coarse activation levels, the largest
+        logits recomputed in float32)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._set(rows, bias, int8_activations, int8_rows, native_matmul)
@@ -188,8 +192,11 @@ class Int8Linear(nn.Module):
         if self.int8_activations:
             out = self._integer_matmul(flat).to(x.dtype)
         elif flat.shape[0] < NATIVE_INT8_MAX_ROWS and self.native_matmul.serves(flat):
-            out = torch.ops.streamgrok_cpu.int8_linear(flat.float(), self.qweight,
-                                                       self.row_scales).to(x.dtype)
+            out = (torch.ops.streamgrok_cpu.int8_head(flat.float(), self.qweight,
+                                                      self.row_scales, EXACT_TOP)
+                   if self.head else
+                   torch.ops.streamgrok_cpu.int8_linear(flat.float(), self.qweight,
+                                                        self.row_scales)).to(x.dtype)
         elif self.wide is not None and flat.shape[0] >= WIDE_MIN_ROWS:
             out = self._exact_top(flat, F.linear(flat.to(self.wide.dtype), self.wide), x.dtype)
         elif flat.device.type == "cpu" and flat.shape[0] >= DEQUANTIZED_MIN_ROWS:
