@@ -36,7 +36,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     loaded = load_from_args(args)
     # an int4 model answers once its native kernels are ready: the first run on a CPU builds
-    # them, and answers generated while that build finished came out wrong on an AVX2 CPU
+    # them (added while the PyTorch path's bfloat16 head answered wrongly on AVX2; the head
+    # is exact at the top now, `Int8Linear._exact_top`, so this wait only saves speed)
     if not wait_native_int4(loaded.model, timeout=1.0) and any(
             isinstance(m, Int4Linear) and m.unpacks for m in loaded.model.modules()):
         print("preparing the native int4 kernels for this CPU (the first run builds them: a "
