@@ -25,9 +25,10 @@ def built():
     assert native_kernel_available(torch.float32), "the native kernel did not build"
 
 
-def pool(kv_heads: int, dim: int, dtype: torch.dtype, seed: int) -> PagedKV:
+def pool(kv_heads: int, dim: int, dtype: torch.dtype, seed: int,
+         pages: int = POOL_PAGES) -> PagedKV:
     gen = torch.Generator().manual_seed(seed)
-    kv = PagedKV.zeros(POOL_PAGES * PAGE, kv_heads, dim, dtype, PAGE)
+    kv = PagedKV.zeros(pages * PAGE, kv_heads, dim, dtype, PAGE)
     if dtype == torch.int8:
         for data, scale in ((kv.k, kv.k_scale), (kv.v, kv.v_scale)):
             data.copy_(torch.randint(-127, 128, data.shape, generator=gen))
@@ -44,9 +45,10 @@ def rotary_tables(dim: int, positions: int) -> tuple[torch.Tensor, torch.Tensor]
     return angles.cos(), angles.sin()
 
 
-def page_tables(rows: int, pages: int, seed: int) -> torch.Tensor:
+def page_tables(rows: int, pages: int, seed: int, pool_pages: int = POOL_PAGES
+                ) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(POOL_PAGES, generator=gen)[:pages]
+    return torch.stack([torch.randperm(pool_pages, generator=gen)[:pages]
                         for _ in range(rows)]).int()
 
 
@@ -76,6 +78,41 @@ def test_decode_rows_equal_the_reference(heads, kv_heads, dim, dtype):
             torch.testing.assert_close(mass.sum(1), torch.full((5,), float(heads)))
         else:
             assert mass is None
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "lengths"), [
+    (9, 3, 64, [700]),  # one sequence: its 3 KV heads' keys split in two
+    (8, 1, 128, [1300, 530, 1]),  # two long rows split in parts of whole blocks, one not
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_few_long_decode_rows_split_their_keys_and_equal_the_reference(
+        heads, kv_heads, dim, lengths, dtype, threads):
+    """A step of fewer (sequence, KV head) pairs than keep the threads busy splits each
+    pair's keys into parts, combined exactly: the output and attention mass of the
+    reference."""
+    pages = 2 * 84
+    kv = pool(kv_heads, dim, dtype, seed=dim, pages=pages)
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    tables = page_tables(len(lengths), 84, seed=heads, pool_pages=pages)
+    cos, sin = rotary_tables(dim, 84 * PAGE)
+    q = torch.randn(len(lengths), heads, dim, generator=torch.Generator().manual_seed(6))
+    ops = KernelOps("torch", compiled_reads=False, native_attention=True)
+    assert ops.native.wait_ready()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for want_mass in (False, True):
+            ref, ref_mass = paged_decode_attention.reference(q, kv, tables, lengths, cos, sin,
+                                                             want_mass)
+            out, mass = ops.decode_attention(q, kv, tables, lengths, cos, sin, want_mass)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+            if want_mass:
+                torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
+                torch.testing.assert_close(mass.sum(1), torch.full((len(lengths),),
+                                                                   float(heads)))
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])

@@ -74,6 +74,23 @@ inline void softmax_row(float* s, int64_t length) {
   for (int64_t t = 0; t < length; ++t) s[t] *= inverse;
 }
 
+// s[0:length] replaced by exp(s - peak), where peak is the row's largest score (written to
+// *peak); returns their sum. A softmax left unnormalized, for rows whose keys are split into
+// parts that are combined afterwards.
+inline float exponentials(float* s, int64_t length, float* peak_out) {
+  float peak = s[0];
+#pragma omp simd reduction(max : peak)
+  for (int64_t t = 0; t < length; ++t) peak = std::max(peak, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < length; ++t) {
+    s[t] = exp_nonpositive(s[t] - peak);
+    sum += s[t];
+  }
+  *peak_out = peak;
+  return sum;
+}
+
 // `rows` rows of `length` scores, one after another, each replaced by its softmax.
 inline void softmax_rows(float* scores, int64_t rows, int64_t length) {
   for (int64_t r = 0; r < rows; ++r) softmax_row(scores + r * length, length);

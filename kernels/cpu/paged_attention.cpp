@@ -12,6 +12,12 @@
 // block by block into per-row accumulators. A task of a few rows (decode) scores untransposed
 // rows instead (`score_few_rows`). Tasks are taken from a shared counter, longest first, so
 // causal chunks of unequal length keep every thread busy.
+//
+// Where a step has fewer (sequence, KV head) pairs of one query token than would keep the
+// threads busy (one sequence has 3 KV heads for 2 threads), each pair's keys are split into
+// parts (as flash-decoding does): a part's task leaves its rows' peak score, sum of
+// exponentials and unnormalized value sums (and, for the mass, its exponentials), and a
+// second pass combines the parts of each pair exactly.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,12 +25,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <vector>
 
 #include "attention_math.h"
 #include "native_ops.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define STREAMGROK_ATTENTION_AVX2 1
+#endif
 
 namespace {
 
@@ -56,7 +68,21 @@ struct Problem {
 
 struct Task {
   int64_t seq, kv_head, first, last;  // query tokens [first, last) of sequence `seq`
-  int64_t keys;                       // keys its last query sees (its cost)
+  int64_t keys;                       // keys its last query sees
+  int64_t key_first = 0;              // the keys it reads: [key_first, keys)
+  int64_t part = -1;                  // its slot among the split parts, or -1 (whole)
+  int64_t cost() const { return keys - key_first; }
+};
+
+// What a part of a split (sequence, KV head) leaves for the combining pass: per row, the
+// peak score, the sum of exp(score - peak) and the values weighted by those exponentials;
+// with the mass wanted, the exponentials themselves.
+struct Parts {
+  float* peaks;   // [parts, rows]
+  float* sums;    // [parts, rows]
+  float* values;  // [parts, rows, D]
+  float* exps;    // [parts, rows, part width], or null
+  int64_t rows, dim, width;
 };
 
 // A thread's buffers, reused from task to task.
@@ -65,55 +91,81 @@ struct Scratch {
   std::vector<int64_t> slots;  // the slot of each key of the task's sequence
 };
 
+// Where row `row` of a task's query (and its output) starts in q and out.
+inline int64_t row_offset(const Problem& p, const Task& task, int64_t row) {
+  const int64_t group = p.heads / p.kv_heads;
+  return ((p.cu_q[task.seq] + task.first + row / group) * p.heads + task.kv_head * group +
+          row % group) * p.dim;
+}
+
 template <typename KV, int FixedD>
 class TaskRunner {
  public:
   TaskRunner(const Problem& p, const Task& task, Scratch& scratch)
       : p_(p), task_(task), dim_(FixedD > 0 ? FixedD : p.dim), group_(p.heads / p.kv_heads),
-        rows_((task.last - task.first) * group_), width_(task.keys),
-        past_(p.past[task.seq]), query0_(p.cu_q[task.seq] + task.first),
-        table_(p.tables + task.seq * p.table_stride) {
+        rows_((task.last - task.first) * group_), key0_(task.key_first),
+        width_(task.keys - task.key_first), past_(p.past[task.seq]),
+        query0_(p.cu_q[task.seq] + task.first), table_(p.tables + task.seq * p.table_stride) {
     scratch.floats.resize(rows_ * width_ + kBlock * dim_ + rows_ * dim_);
     scores_ = scratch.floats.data();
     // every key's slot, found once (a division per key, several reads per key)
     scratch.slots.resize(width_);
     slots_ = scratch.slots.data();
-    for (int64_t t = 0; t < width_; ++t) {
-      slots_[t] = static_cast<int64_t>(table_[t / p.page_size]) * p.page_size + t % p.page_size;
+    // page by page (a division per key took a tenth of a long decode row's time)
+    const int64_t page_size = p.page_size;
+    for (int64_t t = 0, page = key0_ / page_size; t < width_; ++page) {
+      const int64_t base = static_cast<int64_t>(table_[page]) * page_size;
+      for (int64_t at = (key0_ + t) % page_size; at < page_size && t < width_; ++at, ++t)
+        slots_[t] = base + at;
     }
     block_ = scores_ + rows_ * width_;
     acc_ = block_ + kBlock * dim_;
   }
 
   // Scores, softmax, values, output; adds the mass rows' probabilities to `mass` (or null).
-  void run(float* mass) {
+  // A part of a split pair leaves its share in `parts` instead (see Parts).
+  void run(float* mass, const Parts& parts) {
     if (rows_ <= kFewRows) {
       score_few_rows();
     } else {
       score();
     }
-    for (int64_t r = 0; r < rows_; ++r) softmax_row(scores_ + r * width_, limit(r));
-    if (mass != nullptr) add_mass(mass);
+    if (task_.part < 0) {
+      for (int64_t r = 0; r < rows_; ++r) softmax_row(scores_ + r * width_, limit(r));
+      if (mass != nullptr) add_mass(mass);
+      sum_values();
+      write_rows();
+      return;
+    }
+    // a part: one query token, so every row sees every key of the part
+    const int64_t at = task_.part * parts.rows;
+    for (int64_t r = 0; r < rows_; ++r) {
+      float* row = scores_ + r * width_;
+      parts.sums[at + r] = streamgrok_cpu::exponentials(row, width_, parts.peaks + at + r);
+      if (parts.exps != nullptr)
+        std::copy(row, row + width_, parts.exps + (at + r) * parts.width);
+    }
     sum_values();
+    std::copy(acc_, acc_ + rows_ * dim(), parts.values + at * parts.dim);
   }
 
  private:
   int64_t dim() const { return FixedD > 0 ? FixedD : dim_; }
-  int64_t limit(int64_t row) const { return past_ + task_.first + row / group_ + 1; }
+  // How many of the task's keys row `row` sees.
+  int64_t limit(int64_t row) const {
+    return std::min(width_, past_ + task_.first + row / group_ + 1 - key0_);
+  }
 
-  // The first row whose query sees key t (rows are query-token major, so every later row
-  // sees it too).
+  // The first row whose query sees the task's key t (rows are query-token major, so every
+  // later row sees it too).
   int64_t first_row(int64_t t) const {
-    const int64_t token = t - past_;
+    const int64_t token = key0_ + t - past_;
     return token <= task_.first ? 0 : (token - task_.first) * group_;
   }
 
   int64_t slot(int64_t t) const { return slots_[t]; }
 
-  // Where a row's query (and its output) starts in q and out.
-  int64_t offset(int64_t row) const {
-    return ((query0_ + row / group_) * p_.heads + task_.kv_head * group_ + row % group_) * dim();
-  }
+  int64_t offset(int64_t row) const { return row_offset(p_, task_, row); }
 
   float stored_scale(const at::Half* scales, int64_t s) const {
     return scales == nullptr ? 1.f : static_cast<float>(scales[s * p_.kv_heads + task_.kv_head]);
@@ -131,11 +183,11 @@ class TaskRunner {
     const int64_t key_step = Rows ? D : 1, dim_step = Rows ? 1 : kBlock;
     if (!Rows) std::fill(block_, block_ + D * kBlock, 0.f);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j, s = slot(t);
+      const int64_t t = t0 + j, s = slot(t), position = key0_ + t;
       const KV* key = row_of(p_.k, s);
       const float ks = stored_scale(p_.k_scale, s);
-      const float* c = p_.cos + t * half;
-      const float* sn = p_.sin + t * half;
+      const float* c = p_.cos + position * half;
+      const float* sn = p_.sin + position * half;
       float* out = block_ + j * key_step;
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = to_float(key[i]) * ks, x2 = to_float(key[i + half]) * ks;
@@ -169,6 +221,16 @@ class TaskRunner {
       prefetch_block(p_.k, t0 + kBlock);
       prefetch_block(p_.v, t0);
       load_keys<true>(t0, n);
+#ifdef STREAMGROK_ATTENTION_AVX2
+      if constexpr (FixedD > 0 && FixedD % 8 == 0) {
+        int64_t r = first_row(t0);
+        for (; r + 2 <= rows_; r += 2)
+          for (int64_t j0 = 0; j0 < n; j0 += 4) score_four_keys<2>(r, t0, j0, n);
+        for (; r < rows_; ++r)
+          for (int64_t j0 = 0; j0 < n; j0 += 4) score_four_keys<1>(r, t0, j0, n);
+        continue;
+      }
+#endif
       for (int64_t r = first_row(t0); r < rows_; ++r) {
         const float* query = p_.q + offset(r);
         float* out = scores_ + r * width_ + t0;
@@ -182,6 +244,48 @@ class TaskRunner {
       }
     }
   }
+
+#ifdef STREAMGROK_ATTENTION_AVX2
+  // Rows r..r+R-1 against keys j0..j0+3 of the block loaded by `load_keys<true>`: 4R dot
+  // products in independent accumulators, each key's vectors loaded once for the R rows,
+  // summed across lanes four keys at a time (a horizontal sum per key, a chain of shuffles
+  // and adds, took as long as its dot product). Stores the scores of keys before n.
+  template <int R>
+  void score_four_keys(int64_t r, int64_t t0, int64_t j0, int64_t n) {
+    constexpr int64_t D = FixedD;
+    __m256 acc[R][4];
+    const float* query[R];
+    for (int i = 0; i < R; ++i) {
+      query[i] = p_.q + offset(r + i);
+      for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_setzero_ps();
+    }
+    const float* keys = block_ + j0 * D;
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 key[4];
+      for (int j = 0; j < 4; ++j) key[j] = _mm256_loadu_ps(keys + j * D + d);
+      for (int i = 0; i < R; ++i) {
+        const __m256 q = _mm256_loadu_ps(query[i] + d);
+        for (int j = 0; j < 4; ++j) acc[i][j] = _mm256_fmadd_ps(q, key[j], acc[i][j]);
+      }
+    }
+    const __m128 scale = _mm_set1_ps(p_.scale);
+    for (int i = 0; i < R; ++i) {
+      // [k0 k1 k2 k3 | k0 k1 k2 k3] partial sums, then the two halves added
+      const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(acc[i][0], acc[i][1]),
+                                         _mm256_hadd_ps(acc[i][2], acc[i][3]));
+      const __m128 scores = _mm_mul_ps(
+          _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)), scale);
+      float* out = scores_ + (r + i) * width_ + t0 + j0;
+      if (j0 + 4 <= n) {
+        _mm_storeu_ps(out, scores);
+      } else {
+        alignas(16) float four[4];
+        _mm_store_ps(four, scores);
+        for (int64_t j = 0; j < n - j0; ++j) out[j] = four[j];
+      }
+    }
+  }
+#endif
 
   // Rows are scored kRows at a time (independent accumulators: one row's chain of
   // multiply-adds alone would wait on its own latency); the last group repeats its final row.
@@ -218,7 +322,7 @@ class TaskRunner {
       const float* probs = scores_ + r * width_;
       const int64_t n = limit(r);
 #pragma omp simd
-      for (int64_t t = 0; t < n; ++t) mass[t] += probs[t];
+      for (int64_t t = 0; t < n; ++t) mass[key0_ + t] += probs[t];
     }
   }
 
@@ -240,10 +344,15 @@ class TaskRunner {
         add_values(acc_ + r * D, scores_ + r * width_ + t0, seen);
       }
     }
+  }
+
+  void write_rows() const {
+    const int64_t D = dim();
     for (int64_t r = 0; r < rows_; ++r) {
       std::copy(acc_ + r * D, acc_ + (r + 1) * D, p_.out + offset(r));
     }
   }
+
 
   // acc[0:D] += sum over j < seen of probs[j] * block_ value j (in registers when D is fixed).
   void add_values(float* acc, const float* probs, int64_t seen) const {
@@ -269,7 +378,7 @@ class TaskRunner {
 
   const Problem& p_;
   const Task& task_;
-  const int64_t dim_, group_, rows_, width_, past_, query0_;
+  const int64_t dim_, group_, rows_, key0_, width_, past_, query0_;
   const int32_t* table_;
   int64_t* slots_;
   float* scores_;
@@ -278,11 +387,12 @@ class TaskRunner {
 };
 
 template <typename KV>
-using RunFn = void (*)(const Problem&, const Task&, Scratch&, float*);
+using RunFn = void (*)(const Problem&, const Task&, Scratch&, float*, const Parts&);
 
 template <typename KV, int FixedD>
-void run_task(const Problem& p, const Task& task, Scratch& scratch, float* mass) {
-  TaskRunner<KV, FixedD>(p, task, scratch).run(mass);
+void run_task(const Problem& p, const Task& task, Scratch& scratch, float* mass,
+              const Parts& parts) {
+  TaskRunner<KV, FixedD>(p, task, scratch).run(mass, parts);
 }
 
 template <typename KV>
@@ -292,23 +402,51 @@ RunFn<KV> runner_for(int64_t dim) {
   return run_task<KV, 0>;
 }
 
-std::vector<Task> make_tasks(const Problem& p, int64_t batch) {
+constexpr int64_t kTasksPerThread = 4;  // split pairs' keys until there are this many tasks
+constexpr int64_t kMinPartKeys = 256;   // a part's keys at least (its merge has a cost)
+
+// The step's tasks, longest first, and how many of them are parts of split pairs. A pair
+// of one query token is split where the pairs of one token are fewer than
+// kTasksPerThread x threads, into parts of whole blocks.
+std::vector<Task> make_tasks(const Problem& p, int64_t batch, int64_t threads,
+                             int64_t* part_count) {
+  int64_t single = 0;  // (sequence, KV head) pairs of one query token
+  for (int64_t b = 0; b < batch; ++b) single += (p.cu_q[b + 1] - p.cu_q[b] == 1) * p.kv_heads;
+  const int64_t wanted = kTasksPerThread * threads;
   std::vector<Task> tasks;
+  int64_t parts = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t count = p.cu_q[b + 1] - p.cu_q[b];
+    const int64_t count = p.cu_q[b + 1] - p.cu_q[b], keys = p.past[b] + count;
+    int64_t split = 1;
+    if (count == 1 && single > 0 && single < wanted) {
+      split = std::min((wanted + single - 1) / single, keys / kMinPartKeys);
+    }
+    if (split > 1) {
+      const int64_t part_keys = (keys + split - 1) / split;
+      const int64_t step = (part_keys + kBlock - 1) / kBlock * kBlock;
+      for (int64_t h = 0; h < p.kv_heads; ++h)
+        for (int64_t k0 = 0; k0 < keys; k0 += step) {
+          Task task{b, h, 0, 1, std::min(keys, k0 + step)};
+          task.key_first = k0;
+          task.part = parts++;
+          tasks.push_back(task);
+        }
+      continue;
+    }
     for (int64_t first = 0; first < count; first += kQueryChunk) {
       const int64_t last = std::min(count, first + kQueryChunk);
       for (int64_t h = 0; h < p.kv_heads; ++h) tasks.push_back({b, h, first, last, p.past[b] + last});
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(),
-                   [](const Task& a, const Task& b) { return a.keys > b.keys; });
+                   [](const Task& a, const Task& b) { return a.cost() > b.cost(); });
+  *part_count = parts;
   return tasks;
 }
 
 template <typename KV>
 void run_all(const Problem& p, const std::vector<Task>& tasks, float* mass_parts,
-             int64_t mass_width) {
+             int64_t mass_width, const Parts& parts) {
   const RunFn<KV> run = runner_for<KV>(p.dim);
   std::atomic<int64_t> next{0};
   const int64_t total = static_cast<int64_t>(tasks.size());
@@ -316,7 +454,62 @@ void run_all(const Problem& p, const std::vector<Task>& tasks, float* mass_parts
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     Scratch scratch;
     for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-      run(p, tasks[i], scratch, mass_parts == nullptr ? nullptr : mass_parts + i * mass_width);
+      run(p, tasks[i], scratch,
+          mass_parts == nullptr ? nullptr : mass_parts + i * mass_width, parts);
+    }
+  });
+}
+
+// The combining pass: each split pair's rows from its parts' shares, exactly (the parts'
+// exponentials rescaled to the pair's peak and sum), into out and, with the mass wanted,
+// each part's row of mass_parts (its task's).
+void combine_parts(const Problem& p, const std::vector<Task>& tasks, const Parts& parts,
+                   float* mass_parts, int64_t mass_width) {
+  std::vector<std::vector<int64_t>> pairs;  // task indices of each split pair
+  {
+    std::vector<std::pair<int64_t, int64_t>> keyed;  // (seq * KVH + head, task index)
+    for (int64_t i = 0; i < static_cast<int64_t>(tasks.size()); ++i)
+      if (tasks[i].part >= 0) keyed.push_back({tasks[i].seq * p.kv_heads + tasks[i].kv_head, i});
+    std::stable_sort(keyed.begin(), keyed.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t i = 0; i < keyed.size(); ++i) {
+      if (i == 0 || keyed[i].first != keyed[i - 1].first) pairs.emplace_back();
+      pairs.back().push_back(keyed[i].second);
+    }
+  }
+  const int64_t rows = parts.rows, D = parts.dim;
+  at::parallel_for(0, static_cast<int64_t>(pairs.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const std::vector<int64_t>& members = pairs[pair];
+      weights.resize(members.size());
+      for (int64_t r = 0; r < rows; ++r) {
+        float peak = -INFINITY;
+        for (int64_t i : members) peak = std::max(peak, parts.peaks[tasks[i].part * rows + r]);
+        float sum = 0.f;
+        for (size_t m = 0; m < members.size(); ++m) {
+          const int64_t at = tasks[members[m]].part * rows + r;
+          weights[m] = std::exp(parts.peaks[at] - peak);
+          sum += parts.sums[at] * weights[m];
+        }
+        for (size_t m = 0; m < members.size(); ++m) weights[m] /= sum;
+        float* out = p.out + row_offset(p, tasks[members[0]], r);
+        std::fill(out, out + D, 0.f);
+        for (size_t m = 0; m < members.size(); ++m) {
+          const Task& task = tasks[members[m]];
+          const float* values = parts.values + (task.part * rows + r) * D;
+          const float w = weights[m];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) out[d] += w * values[d];
+          if (mass_parts != nullptr) {
+            const float* exps = parts.exps + (task.part * rows + r) * parts.width;
+            float* mass = mass_parts + members[m] * mass_width + task.key_first;
+            const int64_t n = task.cost();
+#pragma omp simd
+            for (int64_t t = 0; t < n; ++t) mass[t] += w * exps[t];
+          }
+        }
+      }
     }
   });
 }
@@ -408,18 +601,31 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(
             tables.data_ptr<int32_t>(), tables.stride(0), cu_p, past_p,
             c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>(),
             heads, kv_heads, dim, page_size, mass_rows, static_cast<float>(scale)};
-  const std::vector<Task> tasks = make_tasks(p, batch);
+  int64_t part_count = 0;
+  const std::vector<Task> tasks = make_tasks(p, batch, at::get_num_threads(), &part_count);
   const int64_t mass_width = block_tables.size(1) * page_size;
   at::Tensor parts, mass = at::empty({0}, q.options());
   if (mass_rows > 0) parts = at::zeros({static_cast<int64_t>(tasks.size()), mass_width}, q.options());
   float* parts_p = mass_rows > 0 ? parts.data_ptr<float>() : nullptr;
+  // the split pairs' shares (one query token: a part's rows are the query group)
+  const int64_t group = heads / kv_heads;
+  int64_t part_width = 0;
+  for (const Task& task : tasks)
+    if (task.part >= 0) part_width = std::max(part_width, task.cost());
+  const int64_t share = group * (2 + dim) + (mass_rows > 0 ? group * part_width : 0);
+  at::Tensor shares = at::empty({part_count * share}, q.options());
+  float* share_p = shares.data_ptr<float>();
+  const Parts split{share_p, share_p + part_count * group, share_p + 2 * part_count * group,
+                    mass_rows > 0 ? share_p + part_count * group * (2 + dim) : nullptr,
+                    group, dim, part_width};
   if (kv_type == at::kFloat) {
-    run_all<float>(p, tasks, parts_p, mass_width);
+    run_all<float>(p, tasks, parts_p, mass_width, split);
   } else if (kv_type == at::kBFloat16) {
-    run_all<uint16_t>(p, tasks, parts_p, mass_width);
+    run_all<uint16_t>(p, tasks, parts_p, mass_width, split);
   } else {
-    run_all<int8_t>(p, tasks, parts_p, mass_width);
+    run_all<int8_t>(p, tasks, parts_p, mass_width, split);
   }
+  if (part_count > 0) combine_parts(p, tasks, split, parts_p, mass_width);
   if (mass_rows > 0) {
     std::vector<int64_t> owners;
     owners.reserve(tasks.size());
