@@ -60,7 +60,7 @@ def run_kv_bench(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     options.out_dir.mkdir(parents=True, exist_ok=True)
     runners = {"flat": flat_memory, "passkey": passkey, "ppl": perplexity,
                "overhead": eviction_overhead, "kvp": kv_parallel, "recall": recall,
-               "paged": paged, "moe": experts_spread}
+               "paged": paged, "moe": experts_spread, "dtypes": kv_dtypes}
     for part in options.parts:
         if part not in runners:
             raise ValueError(f"unknown kv part {part!r} (choose from {', '.join(runners)})")
@@ -257,6 +257,13 @@ def paged(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     return paged_decode(loaded, options.out_dir, options.chunk)
 
 
+def kv_dtypes(loaded: LoadedModel, options: KvBenchOptions) -> dict:
+    """Accuracy and step time of bfloat16 and int8 K/V against float32 (bench.kv_dtypes)."""
+    from benchmarks.kv_dtypes import kv_dtypes as run_kv_dtypes
+
+    return run_kv_dtypes(loaded, options.out_dir)
+
+
 def eviction_overhead(loaded: LoadedModel, options: KvBenchOptions) -> dict:
     """Time per eviction pass and its share of decode time, per policy."""
     tok = loaded.tokenizer
@@ -303,7 +310,8 @@ def register(benches: argparse._SubParsersAction) -> None:
                     help="which parts to run (also: kvp, KV parallelism over local ranks; "
                          "recall, the host tier and recall; paged, decode steps with the "
                          "native CPU attention kernel vs the PyTorch path; moe, a mixture "
-                         "of experts with experts and KV over the kvp ranks)")
+                         "of experts with experts and KV over the kvp ranks; dtypes, the "
+                         "accuracy and step time of bfloat16 and int8 K/V vs float32)")
     kv.add_argument("--tokens", type=int, default=100_000, help="tokens streamed (flat part)")
     kv.add_argument("--budget", type=int, default=2048, help="tokens per layer")
     kv.add_argument("--flat-policy", default="h2o", choices=POLICIES,

@@ -277,3 +277,19 @@ def test_the_cache_prefills_short_chunks_by_the_native_kernel():
     ref, _ = paged_prefill_attention.reference(q, kv, tables, cu_q, past, cos, sin,
                                                max(counts), None)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_the_kv_dtypes_bench_compares_with_float32_and_plots(tiny_loaded, tmp_path, capsys):
+    from benchmarks.kv_dtypes import kv_dtypes
+
+    results = kv_dtypes(tiny_loaded, tmp_path, tokens=48, prefix=16)
+    assert set(results) == {"float32", "bfloat16", "int8"}
+    assert results["float32"]["top1"] == 1.0 and results["float32"]["kl"] == 0.0
+    for dtype in ("bfloat16", "int8"):
+        assert 0.0 <= results[dtype]["top1"] <= 1.0 and results[dtype]["kl"] >= 0.0
+        assert results[dtype]["step_ms"] > 0
+    assert (results["int8"]["bytes_per_token_layer"]
+            < results["bfloat16"]["bytes_per_token_layer"]
+            < results["float32"]["bytes_per_token_layer"])
+    assert (tmp_path / "kv_dtypes.png").stat().st_size > 0
+    assert "KL nats" in capsys.readouterr().out

@@ -246,3 +246,26 @@ def test_an_int8_head_ranks_close_logits_as_float32_does():
     assert_bfloat16_outside_the_top(head, x, bfloat16_product)
     assert torch.equal(head(x).argmax(-1), exact.argmax(-1))
     assert torch.equal(layer(x), bfloat16_product.float())  # other layers: the kernel as is
+
+
+async def test_the_engine_keeps_a_quantized_models_kv_in_bfloat16_on_the_cpu(tmp_path):
+    """`kv_dtype` "auto": a quantized model's paged cache holds bfloat16 on the CPU (the
+    bytes a long session's decode step reads), a float model's its compute dtype; a dtype
+    the server sets stays; answers decode over either."""
+    from streamgrok.cache.config import CacheConfig
+    from streamgrok.engine import Engine
+    from streamgrok.model.quantized import paged_cache_dtype
+    from streamgrok.model.sampling import SamplingParams
+
+    gguf = write_gguf(tmp_path / "tiny.gguf", random_model(tiny_config()))
+    for weights, auto in (("q4", "bfloat16"), ("f32", "float32")):
+        loaded = load_model(gguf, weights=weights)
+        assert paged_cache_dtype(loaded.model) == getattr(torch, auto)
+        for asked, kept in (("auto", auto), ("float32", "float32")):
+            async with Engine(loaded, CacheConfig(kv_dtype=asked, memory_gib=0.01)) as engine:
+                assert engine.cache.config.kv_dtype == kept
+                assert engine.cache.pool.paged_kv().k.dtype == getattr(torch, kept)
+                session = engine.new_session("sys")
+                answer = session.ask("hello", SamplingParams(temperature=0.0, max_tokens=3))
+                assert await answer.text() is not None
+                assert answer.metrics.finish_reason in ("stop", "length")

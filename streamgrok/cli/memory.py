@@ -33,9 +33,11 @@ def memory_rows(baseline: int, model_growth: int, loaded: LoadedModel,
     from streamgrok.cache.paged_cache import PagedKVCache
     from streamgrok.media.audio import SpeechModel
     from streamgrok.media.transcribers import load_transcriber
+    from streamgrok.model.quantized import paged_cache_dtype
 
     model = loaded.model
-    pool_growth, cache = _grew(lambda: PagedKVCache(loaded.config, cache_config, model.dtype,
+    config = cache_config.for_model(paged_cache_dtype(model))  # as the engine resolves it
+    pool_growth, cache = _grew(lambda: PagedKVCache(loaded.config, config, model.dtype,
                                                     model.device))
     reserved = cache.pool.num_pages * cache.page_bytes
     rows = [
@@ -44,7 +46,7 @@ def memory_rows(baseline: int, model_growth: int, loaded: LoadedModel,
                           "MiB of weights)"),
         ("memory: KV page pool", f"+{pool_growth / MIB:.0f} MiB now, up to "
                                  f"{reserved / MIB:.0f} MiB as pages are used "
-                                 f"({cache.pool.num_pages} pages)"),
+                                 f"({cache.pool.num_pages} pages of {config.kv_dtype})"),
     ]
     try:
         vad, _ = _grew(SpeechModel)

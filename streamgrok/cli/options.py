@@ -49,6 +49,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-policy", default="redundancy", choices=POLICIES,
                         help="KV eviction policy")
+    parser.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                        help="KV storage: auto is bfloat16 for quantized weights on the CPU, "
+                             "else the model's dtype")
     parser.add_argument("--kv-budget", type=int, default=2048,
                         help="KV tokens kept per layer and session")
     parser.add_argument("--kv-memory-gib", type=float, default=None,
@@ -80,7 +83,8 @@ def cache_config(args: argparse.Namespace, **extra) -> CacheConfig:
     """The cache configuration the cache options ask for."""
     from streamgrok.cache.config import CacheConfig
 
-    return CacheConfig(policy=args.kv_policy, budget_tokens=args.kv_budget,
+    return CacheConfig(policy=args.kv_policy, kv_dtype=args.kv_dtype,
+                       budget_tokens=args.kv_budget,
                        memory_gib=args.kv_memory_gib, host_tier_gib=args.kv_host_gib,
                        host_tier_dtype=args.kv_host_dtype, disk_tier_gib=args.kv_disk_gib,
                        disk_tier_dir=args.kv_disk_dir, recall_tokens=args.recall_tokens,

@@ -6,7 +6,6 @@ import argparse
 
 from streamgrok.cli.options import (
     DEFAULTS,
-    KV_DTYPES,
     add_cache_options,
     add_model_options,
     cache_config,
@@ -31,8 +30,6 @@ def add_run_command(commands) -> None:
     run.add_argument("--jsonl", help="also write every event to this JSON lines file")
     run.add_argument("--quiet-notes", action="store_true", help="do not print observer notes")
     add_cache_options(run)
-    run.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
-                     help="KV storage: auto is the model's dtype")
     add_model_options(run)
 
 
@@ -41,4 +38,4 @@ def cmd_run(args: argparse.Namespace) -> int:
     from streamgrok.media.decode import probe_source
 
     print(f"source {args.source}: {probe_source(args.source)}", flush=True)  # before the model
-    return run_command(load_from_args(args), args, cache_config(args, kv_dtype=args.kv_dtype))
+    return run_command(load_from_args(args), args, cache_config(args))

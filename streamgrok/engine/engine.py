@@ -48,6 +48,7 @@ from streamgrok.engine.state import AnswerState, SessionState
 from streamgrok.errors import RequestTooLarge, StreamgrokError
 from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.detokenizer import IncrementalDetokenizer
+from streamgrok.model.quantized import paged_cache_dtype
 from streamgrok.model.sampling import SamplingParams, new_generator
 from streamgrok.runtime import StepTimer, release_free_memory
 from streamgrok.stream_tokens import TokenInfo
@@ -78,7 +79,8 @@ class Engine:
         model = loaded.model
         if model.device.type == "cpu" and model.kernels.paged_reader.compiled:
             import_compiler()  # the paged reads compile in the background while serving
-        cache_config = cache_config or CacheConfig()
+        # "auto" K/V: bfloat16 for a quantized model on the CPU, else the compute dtype
+        cache_config = (cache_config or CacheConfig()).for_model(paged_cache_dtype(model))
         if cache_config.frame_aware is None:  # a vision model's frames are kept or evicted whole
             cache_config = replace(cache_config, frame_aware=loaded.vision is not None)
         # the model's own vision tower, shared by every session (frames batched across them)

@@ -22,6 +22,7 @@ from streamgrok.errors import StreamgrokError
 from streamgrok.loading.loader import LoadedModel
 from streamgrok.model.batch import BatchMetadata
 from streamgrok.model.llama import Transformer
+from streamgrok.model.quantized import paged_cache_dtype
 
 log = logging.getLogger("streamgrok.kv_parallel")
 
@@ -32,8 +33,10 @@ STOP = ("stop",)
 
 def kv_parallel_cache(loaded: LoadedModel, cache_config: CacheConfig,
                       group: KVGroup) -> KVParallelCache:
-    """This rank's shard of the engine's cache (the same on leader and followers)."""
-    return KVParallelCache(loaded.config, group, cache_config, loaded.model.dtype,
+    """This rank's shard of the engine's cache (the same on leader and followers: "auto"
+    K/V resolved as the engine resolves it, `paged_cache_dtype`)."""
+    config = cache_config.for_model(paged_cache_dtype(loaded.model))
+    return KVParallelCache(loaded.config, group, config, loaded.model.dtype,
                            loaded.model.device, kernels=loaded.model.kernels)
 
 

@@ -433,6 +433,17 @@ def cache_dtype(model: nn.Module) -> torch.dtype:
     return prefill_attention_dtype(model) or model.dtype
 
 
+def paged_cache_dtype(model: nn.Module) -> torch.dtype:
+    """The engine's paged cache K/V dtype for `model` where the cache says "auto": bfloat16
+    for a quantized model on the CPU (the native paged kernels widen bfloat16 rows with a
+    shift on any x86 CPU, and a long session's decode step is bound by the K/V bytes it
+    reads; stored bfloat16, keys and values cost almost nothing in accuracy beside int4 or
+    int8 weights, see docs/cpu-performance.md), else the model's compute dtype."""
+    quantized = any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+    on_cpu = next(model.buffers(), torch.empty(0)).device.type == "cpu"
+    return torch.bfloat16 if quantized and on_cpu else model.dtype
+
+
 def wait_native_int8(model: nn.Module, timeout: float | None = None) -> bool:
     """Build the w8a8 layers' native activation kernels now if need be and wait (benchmarks,
     before they time); whether they are in use (False for other formats)."""
