@@ -65,6 +65,13 @@ def test_decode_rows_equal_the_reference(heads, kv_heads, dim, dtype):
     tables = page_tables(len(lengths), 14, seed=heads)
     cos, sin = rotary_tables(dim, 14 * PAGE)
     q = torch.randn(len(lengths), heads, dim, generator=torch.Generator().manual_seed(1))
+    masses = decode_rows_match_the_reference(q, kv, tables, lengths, cos, sin)
+    assert float(masses[0, 1:].abs().sum()) == 0  # nothing past a row's keys
+
+
+def decode_rows_match_the_reference(q, kv, tables, lengths, cos, sin) -> torch.Tensor:
+    """Asserts the native kernel's decode rows, with and without the attention mass, equal
+    the reference's, and each row's mass sums to its query heads; returns the mass."""
     ops = KernelOps("torch", compiled_reads=False, native_attention=True)
     assert ops.native.wait_ready()
     for want_mass in (False, True):
@@ -72,12 +79,10 @@ def test_decode_rows_equal_the_reference(heads, kv_heads, dim, dtype):
                                                          want_mass)
         out, mass = ops.decode_attention(q, kv, tables, lengths, cos, sin, want_mass)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-        if want_mass:
-            torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
-            assert float(mass[0, 1:].abs().sum()) == 0  # nothing past a row's keys
-            torch.testing.assert_close(mass.sum(1), torch.full((5,), float(heads)))
-        else:
-            assert mass is None
+        assert (mass is None) == (not want_mass)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(mass.sum(1), torch.full((len(lengths),), float(q.shape[1])))
+    return mass
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "lengths"), [
@@ -97,20 +102,10 @@ def test_few_long_decode_rows_split_their_keys_and_equal_the_reference(
     tables = page_tables(len(lengths), 84, seed=heads, pool_pages=pages)
     cos, sin = rotary_tables(dim, 84 * PAGE)
     q = torch.randn(len(lengths), heads, dim, generator=torch.Generator().manual_seed(6))
-    ops = KernelOps("torch", compiled_reads=False, native_attention=True)
-    assert ops.native.wait_ready()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for want_mass in (False, True):
-            ref, ref_mass = paged_decode_attention.reference(q, kv, tables, lengths, cos, sin,
-                                                             want_mass)
-            out, mass = ops.decode_attention(q, kv, tables, lengths, cos, sin, want_mass)
-            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-            if want_mass:
-                torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
-                torch.testing.assert_close(mass.sum(1), torch.full((len(lengths),),
-                                                                   float(heads)))
+        decode_rows_match_the_reference(q, kv, tables, lengths, cos, sin)
     finally:
         torch.set_num_threads(before)
 

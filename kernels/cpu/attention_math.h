@@ -58,22 +58,6 @@ inline float exp_nonpositive(float x) {
   return p * power;
 }
 
-// s[0:length] replaced by its softmax.
-inline void softmax_row(float* s, int64_t length) {
-  float peak = s[0];
-#pragma omp simd reduction(max : peak)
-  for (int64_t t = 0; t < length; ++t) peak = std::max(peak, s[t]);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < length; ++t) {
-    s[t] = exp_nonpositive(s[t] - peak);
-    sum += s[t];
-  }
-  const float inverse = 1.f / sum;
-#pragma omp simd
-  for (int64_t t = 0; t < length; ++t) s[t] *= inverse;
-}
-
 // s[0:length] replaced by exp(s - peak), where peak is the row's largest score (written to
 // *peak); returns their sum. A softmax left unnormalized, for rows whose keys are split into
 // parts that are combined afterwards.
@@ -89,6 +73,14 @@ inline float exponentials(float* s, int64_t length, float* peak_out) {
   }
   *peak_out = peak;
   return sum;
+}
+
+// s[0:length] replaced by its softmax.
+inline void softmax_row(float* s, int64_t length) {
+  float peak;
+  const float inverse = 1.f / exponentials(s, length, &peak);
+#pragma omp simd
+  for (int64_t t = 0; t < length; ++t) s[t] *= inverse;
 }
 
 // `rows` rows of `length` scores, one after another, each replaced by its softmax.
