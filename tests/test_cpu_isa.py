@@ -1,6 +1,7 @@
 """The native kernels built for less than the whole instruction set (STREAMGROK_CPU_ISA): the
 int4 matmul's AVX2 loop (what an AVX2-only CPU runs) and its portable loop each give the float
-product within its activation levels, so a machine with AVX-512 tests the other CPUs' paths."""
+product within its activation levels, and paged decode attention the reference's rows, so a
+machine with AVX-512 tests the other CPUs' paths."""
 
 from __future__ import annotations
 
@@ -59,6 +60,26 @@ CHECK = textwrap.dedent("""
             + 1e-6
         got8 = torch.ops.streamgrok_cpu.int8_linear(x, head.qweight, head.row_scales)
         assert ((got8.double() - x.double() @ weight8.t()).abs() <= bound8).all(), kernel
+    # paged decode attention: one long row, its keys split over the threads
+    from streamgrok.model.config import RopeScaling
+    from streamgrok.model.rotary import inverse_frequencies
+    from streamgrok_kernels import paged_decode_attention
+    from streamgrok_kernels.ops import KernelOps
+    from streamgrok_kernels.paged_kv import PagedKV
+
+    kv = PagedKV.zeros(64 * 16, 3, 64, torch.float32, 16)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=gen))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=gen))
+    tables = torch.randperm(64, generator=gen)[:48].view(1, 48).int()
+    angles = torch.arange(48 * 16)[:, None] * inverse_frequencies(64, 10000.0, RopeScaling())
+    cos, sin = angles.float().cos(), angles.float().sin()
+    q, lengths = torch.randn(1, 9, 64, generator=gen), torch.tensor([700], dtype=torch.int32)
+    ops = KernelOps("torch", compiled_reads=False, native_attention=True)
+    assert ops.native.wait_ready()
+    ref, ref_mass = paged_decode_attention.reference(q, kv, tables, lengths, cos, sin, True)
+    out, mass = ops.decode_attention(q, kv, tables, lengths, cos, sin, True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-5, rtol=1e-4)
     print(kernel)
 """)
 
