@@ -484,7 +484,8 @@ void combine_parts(const Problem& p, const std::vector<Task>& tasks, const Parts
       const std::vector<int64_t>& members = pairs[pair];
       weights.resize(members.size());
       for (int64_t r = 0; r < rows; ++r) {
-        float peak = -INFINITY;
+        // (built with -ffast-math: no infinities, so the first part's peak starts the max)
+        float peak = parts.peaks[tasks[members[0]].part * rows + r];
         for (int64_t i : members) peak = std::max(peak, parts.peaks[tasks[i].part * rows + r]);
         float sum = 0.f;
         for (size_t m = 0; m < members.size(); ++m) {
