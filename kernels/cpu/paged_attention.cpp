@@ -105,13 +105,13 @@ class TaskRunner {
       : p_(p), task_(task), dim_(FixedD > 0 ? FixedD : p.dim), group_(p.heads / p.kv_heads),
         rows_((task.last - task.first) * group_), key0_(task.key_first),
         width_(task.keys - task.key_first), past_(p.past[task.seq]),
-        query0_(p.cu_q[task.seq] + task.first), table_(p.tables + task.seq * p.table_stride) {
+        table_(p.tables + task.seq * p.table_stride) {
     scratch.floats.resize(rows_ * width_ + kBlock * dim_ + rows_ * dim_);
     scores_ = scratch.floats.data();
-    // every key's slot, found once (a division per key, several reads per key)
+    // every key's slot, found once (several reads per key), page by page (a division per
+    // key took a tenth of a long decode row's time)
     scratch.slots.resize(width_);
     slots_ = scratch.slots.data();
-    // page by page (a division per key took a tenth of a long decode row's time)
     const int64_t page_size = p.page_size;
     for (int64_t t = 0, page = key0_ / page_size; t < width_; ++page) {
       const int64_t base = static_cast<int64_t>(table_[page]) * page_size;
@@ -353,7 +353,6 @@ class TaskRunner {
     }
   }
 
-
   // acc[0:D] += sum over j < seen of probs[j] * block_ value j (in registers when D is fixed).
   void add_values(float* acc, const float* probs, int64_t seen) const {
     if constexpr (FixedD > 0) {
@@ -378,7 +377,7 @@ class TaskRunner {
 
   const Problem& p_;
   const Task& task_;
-  const int64_t dim_, group_, rows_, key0_, width_, past_, query0_;
+  const int64_t dim_, group_, rows_, key0_, width_, past_;
   const int32_t* table_;
   int64_t* slots_;
   float* scores_;

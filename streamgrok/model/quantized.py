@@ -415,14 +415,18 @@ def swiglu_w8a8(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.T
     return out.to(x.dtype).reshape(*x.shape[:-1], down.out_features)
 
 
+def quantized_on_cpu(model: nn.Module) -> bool:
+    """Whether `model` has int8 or int4 layers and lives on the CPU."""
+    quantized = any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+    return quantized and next(model.buffers(), torch.empty(0)).device.type == "cpu"
+
+
 def prefill_attention_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype a quantized model's prefill attends in on the CPU: `prefill_dtype()`, as
     its projections multiply there (PyTorch's CPU flash attention in bfloat16 took a third of
     float32's time for 512 causal tokens with AMX); None (the cache's own dtype) for float
     models and off the CPU."""
-    quantized = any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
-    on_cpu = next(model.buffers(), torch.empty(0)).device.type == "cpu"
-    return prefill_dtype() if quantized and on_cpu else None
+    return prefill_dtype() if quantized_on_cpu(model) else None
 
 
 def cache_dtype(model: nn.Module) -> torch.dtype:
@@ -439,9 +443,7 @@ def paged_cache_dtype(model: nn.Module) -> torch.dtype:
     shift on any x86 CPU, and a long session's decode step is bound by the K/V bytes it
     reads; stored bfloat16, keys and values cost almost nothing in accuracy beside int4 or
     int8 weights, see docs/cpu-performance.md), else the model's compute dtype."""
-    quantized = any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
-    on_cpu = next(model.buffers(), torch.empty(0)).device.type == "cpu"
-    return torch.bfloat16 if quantized and on_cpu else model.dtype
+    return torch.bfloat16 if quantized_on_cpu(model) else model.dtype
 
 
 def wait_native_int8(model: nn.Module, timeout: float | None = None) -> bool:
